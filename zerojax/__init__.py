@@ -1,0 +1,24 @@
+"""zerojax: ZeRO stages 1, 2 and 3 for JAX, as Optax transformations."""
+
+from zerojax._src.collectives import Shard, gather, remat_policy
+from zerojax._src.grad import value_and_grad
+from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
+from zerojax._src.zero import ZeroState, ZeroTransformation, zero1, zero2, zero3
+
+__version__ = "0.1.0"
+
+__all__ = (
+  "DEFAULT_MIN_SHARD_SIZE",
+  "Layout",
+  "LeafLayout",
+  "Shard",
+  "ZeroState",
+  "ZeroTransformation",
+  "default_shard_dim",
+  "gather",
+  "remat_policy",
+  "value_and_grad",
+  "zero1",
+  "zero2",
+  "zero3",
+)

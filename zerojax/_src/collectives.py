@@ -1,0 +1,132 @@
+"""Parameter shards inside ``shard_map`` and the collectives that open them.
+
+Inside ``zerojax.value_and_grad`` each parameter that the layout shards reaches
+the loss function as a ``Shard``: this device's piece plus the static facts
+``gather`` needs (which dimension, how much padding). ``gather`` turns it into
+the full array:
+
+* stage 3: a tiled ``all_gather``; JAX transposes it into a ``psum_scatter``,
+  so the gradient comes back reduce-scattered, one layer at a time in a scan;
+* stage 2: the parameter is already whole on every device, so the forward pass
+  reads it as is, and a custom VJP reduce-scatters the cotangent into a
+  shard-sized gradient "sink" during the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+#: ``jax.checkpoint_name`` of every array ``gather`` returns.
+GATHERED = "zerojax_gathered"
+
+#: A remat policy that saves everything except gathered parameters, so that a
+#: ``jax.checkpoint``-ed layer re-gathers its weights in the backward pass
+#: instead of keeping the whole gathered model alive between the passes.
+remat_policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  """This device's part of a parameter, as the loss function of ``value_and_grad`` sees it.
+
+  Use ``zerojax.gather`` to turn it into the full parameter. Slicing by
+  ``jax.lax.scan`` over stacked layers is fine: the sharded dimension is
+  counted from the end.
+
+  Attributes:
+    value: the local array: a 1/N shard (stage 3) or the whole parameter
+      (stage 2).
+    sink: stage 2 only: a zero array of the shard's shape that receives the
+      reduce-scattered gradient; ``None`` in stage 3.
+    dim: the sharded dimension, counted from the end.
+    size: the logical (unpadded) size of that dimension.
+    axis_name: the data-parallel mesh axis.
+  """
+
+  value: jax.Array
+  sink: jax.Array | None
+  dim: int = dataclasses.field(metadata=dict(static=True))
+  size: int = dataclasses.field(metadata=dict(static=True))
+  axis_name: str = dataclasses.field(metadata=dict(static=True))
+
+  def __jax_array__(self):
+    raise TypeError(
+      "this is a zerojax parameter shard, not the parameter: call "
+      "zerojax.gather(...) on it (or on the pytree that holds it) first."
+    )
+
+
+def gather(tree: Any) -> Any:
+  """Turns the parameter shards in ``tree`` into full arrays.
+
+  Call it inside the loss function given to ``zerojax.value_and_grad``, as late
+  as possible: inside a ``jax.lax.scan`` over stacked layers, gather the layer
+  the body is about to use, so that only one layer is ever whole. Leaves that
+  are already full arrays pass through, so the same model code runs at every
+  stage and outside ``value_and_grad`` (for evaluation).
+
+  Args:
+    tree: a pytree whose leaves are ``Shard`` s or arrays.
+
+  Returns:
+    The same pytree with every ``Shard`` replaced by the full parameter.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, zerojax
+    >>> zerojax.gather({"w": jnp.ones(3)})["w"]
+    Array([1., 1., 1.], dtype=float32)
+  """
+  return jax.tree.map(
+    lambda x: _gather(x) if isinstance(x, Shard) else x,
+    tree,
+    is_leaf=lambda x: isinstance(x, Shard),
+  )
+
+
+def _gather(shard: Shard) -> jax.Array:
+  if shard.sink is None:
+    axis = shard.value.ndim + shard.dim
+    full = jax.lax.all_gather(shard.value, shard.axis_name, axis=axis, tiled=True)
+    full = jax.lax.slice_in_dim(full, 0, shard.size, axis=axis)
+  else:
+    full = _read_whole(shard.value, shard.sink, shard.dim, shard.axis_name)
+  return checkpoint_name(full, GATHERED)
+
+
+def scatter(x: jax.Array, dim: int, axis_name: str) -> jax.Array:
+  """Reduce-scatters a full per-device array into this device's padded shard (a sum)."""
+  axis = x.ndim + dim
+  padding = -x.shape[axis] % jax.lax.axis_size(axis_name)
+  if padding:
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, padding)
+    x = jnp.pad(x, widths)
+  return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _read_whole(value, sink, dim, axis_name):
+  """Reads a replicated parameter; its gradient goes, reduce-scattered, to ``sink``."""
+  del sink, dim
+  # Varying, so that the cotangent reaching the backward pass is this device's
+  # own, not one JAX has already all-reduced.
+  return jax.lax.pcast(value, axis_name, to="varying")
+
+
+def _read_whole_fwd(value, sink, dim, axis_name):
+  return _read_whole(value, sink, dim, axis_name), None
+
+
+def _read_whole_bwd(dim, axis_name, residuals, cotangent):
+  del residuals
+  return jnp.zeros(cotangent.shape, cotangent.dtype), scatter(cotangent, dim, axis_name)
+
+
+_read_whole.defvjp(_read_whole_fwd, _read_whole_bwd)

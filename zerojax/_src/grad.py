@@ -1,0 +1,172 @@
+"""``value_and_grad``: the loss runs once per device, on that device's slice of the batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from zerojax._src import collectives
+from zerojax._src import layout as layout_lib
+from zerojax._src.zero import ZeroTransformation
+
+
+def value_and_grad(
+  loss_fn: Callable[..., Any], tx: ZeroTransformation, *, has_aux: bool = False
+) -> Callable[..., Any]:
+  """Like ``jax.value_and_grad``, with the loss computed data-parallel under ``jax.shard_map``.
+
+  The returned ``f(params, *batch)`` splits every leaf of every ``batch``
+  argument along its leading dimension over ``tx.axis_name`` and calls
+  ``loss_fn(params, *batch)`` once per device, on that device's slice. Inside,
+  parameters that the layout shards arrive as ``zerojax.Shard`` s: open them
+  with ``zerojax.gather``, one layer at a time in a scan. The gradients come
+  back in the stage's layout:
+
+  * stage 1: each device's full local gradient is reduce-scattered once, at the
+    end of the backward pass;
+  * stage 2: each parameter's gradient is reduce-scattered as the backward pass
+    reaches the ``gather`` that read it (per layer, inside a scan);
+  * stage 3: ``gather``'s all-gather transposes into a reduce-scatter.
+
+  Gradients are never all-reduced to full size, except those of the tiny leaves
+  the layout replicates. Parameters must be placed with ``tx.shard``.
+
+  Args:
+    loss_fn: ``loss_fn(params, *batch)`` returning a scalar loss (the mean over
+      its batch slice), or ``(loss, aux)`` with ``has_aux=True``.
+    tx: the ``ZeroTransformation`` that will apply the gradients.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+  Returns:
+    ``f(params, *batch)`` returning ``(loss, grads)``, or ``((loss, aux),
+    grads)``. ``loss`` is the mean over devices, which equals the loss on the
+    whole batch. ``aux`` holds every device's ``aux``, stacked along a new
+    leading axis of size ``tx.num_shards`` (reduce it as your metric needs,
+    e.g. ``jax.tree.map(jnp.mean, aux)``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
+    >>> params = tx.shard({"w": jnp.zeros((16, 64))})
+    >>> def loss_fn(params, x, y):
+    ...   w = zerojax.gather(params)["w"]
+    ...   return jnp.mean((x @ w - y) ** 2)
+    >>> x, y = jnp.ones((8, 16)), jnp.ones((8, 64))
+    >>> loss, grads = zerojax.value_and_grad(loss_fn, tx)(params, x, y)
+    >>> float(loss), grads["w"].sharding.spec
+    (1.0, PartitionSpec(None, 'data'))
+  """
+  if not isinstance(tx, ZeroTransformation):
+    raise ValueError(
+      f"value_and_grad needs the zerojax transformation, got {type(tx).__name__}: "
+      "pass tx = zerojax.zero1/zero2/zero3(...)."
+    )
+  axis = tx.axis_name
+
+  def value_and_grad_fn(params, *batch):
+    plans = tx._planner.plans(params)
+    _check_params(params, plans.params, tx)
+    _check_batch(batch, tx)
+    sharded = plans.sharded
+    param_specs = plans.params.map(lambda leaf: _data_only(leaf, axis))
+    grad_specs = sharded.map(lambda leaf: _data_only(leaf, axis))
+
+    def per_device(params, *batch):
+      differentiable = sharded.map(lambda leaf, x: _differentiable(leaf, x, tx), params)
+
+      def local_loss(differentiable):
+        tree = sharded.map(lambda leaf, p, d: _for_loss(leaf, p, d, tx), params, differentiable)
+        out = loss_fn(tree, *batch)
+        return out if has_aux else (out, None)
+
+      (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(differentiable)
+      grads = sharded.map(lambda leaf, g: _reduce(leaf, g, tx), grads)
+      aux = jax.tree.map(lambda a: a[None], aux)
+      return jax.lax.pmean(loss, axis), aux, grads
+
+    loss, aux, grads = jax.shard_map(
+      per_device,
+      mesh=tx.mesh,
+      in_specs=(param_specs, *(jax.tree.map(lambda _: P(axis), b) for b in batch)),
+      out_specs=(P(), P(axis), grad_specs),
+      axis_names={axis},
+    )(params, *batch)
+    return ((loss, aux), grads) if has_aux else (loss, grads)
+
+  return value_and_grad_fn
+
+
+def _data_only(leaf: layout_lib.LeafLayout, axis_name: str) -> P:
+  """The leaf's spec over the data axis alone (``shard_map`` manages only that axis)."""
+  if leaf.dim is None:
+    return P()
+  spec = [None] * len(leaf.shape)
+  spec[leaf.dim] = axis_name
+  return P(*spec)
+
+
+def _differentiable(leaf, x, tx):
+  """What the gradient is taken with respect to, per device."""
+  if leaf.dim is None or tx.stage == 1:
+    # A device's own gradient: varying, so JAX does not all-reduce it for us.
+    return jax.lax.pcast(x, tx.axis_name, to="varying")
+  if tx.stage == 2:
+    shape = list(leaf.stored_shape)
+    shape[leaf.dim] //= tx.num_shards
+    return jax.lax.pcast(np.zeros(shape, x.dtype), tx.axis_name, to="varying")
+  return x
+
+
+def _for_loss(leaf, param, differentiable, tx):
+  """What ``loss_fn`` sees for one leaf."""
+  if leaf.dim is None or tx.stage == 1:
+    return differentiable
+  size = leaf.shape[leaf.dim]
+  if tx.stage == 2:
+    return collectives.Shard(param, differentiable, leaf.dim, size, tx.axis_name)
+  return collectives.Shard(differentiable, None, leaf.dim, size, tx.axis_name)
+
+
+def _reduce(leaf, grad, tx):
+  """Finishes one leaf's gradient: a sum over devices, then the mean."""
+  if leaf.dim is None:
+    grad = jax.lax.psum(grad, tx.axis_name)
+  elif tx.stage == 1:
+    grad = collectives.scatter(grad, leaf.dim, tx.axis_name)
+  return grad / tx.num_shards
+
+
+def _check_batch(batch, tx) -> None:
+  n = tx.num_shards
+  for index, argument in enumerate(batch):
+    for path, x in jax.tree_util.tree_flatten_with_path(argument)[0]:
+      shape = np.shape(x)
+      if not shape or shape[0] % n:
+        raise ValueError(
+          f"batch argument {index}{jax.tree_util.keystr(path)} has shape {shape}: "
+          f"its leading dimension must divide by the {n} devices of mesh axis "
+          f"{tx.axis_name!r}. Use a batch size that is a multiple of {n}; pass "
+          "per-step constants by closing over them instead of as batch arguments."
+        )
+
+
+def _check_params(params, stored: layout_lib.Layout, tx) -> None:
+  for (path, x), leaf in zip(jax.tree_util.tree_flatten_with_path(params)[0], stored.leaves):
+    if tuple(np.shape(x)) != leaf.stored_shape:
+      raise ValueError(
+        f"params{jax.tree_util.keystr(path)} has shape {np.shape(x)} but stage "
+        f"{tx.stage} stores it as {leaf.stored_shape}: place the params with "
+        "tx.shard(params) first."
+      )
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+    if mesh is not None and not isinstance(x, jax.core.Tracer) and mesh != tx.mesh:
+      raise ValueError(
+        f"params{jax.tree_util.keystr(path)} lives on {mesh}, not on this "
+        f"transformation's mesh {tx.mesh}: place the params with tx.shard(params), "
+        "or build the transformation with the params' mesh."
+      )

@@ -1,0 +1,90 @@
+"""Meshes: finding the one to use, checking it, and computing in its global view."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def resolve_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:
+  """Returns ``mesh``, or the one set with ``jax.set_mesh``, checked for ``axis_name``.
+
+  Raises:
+    ValueError: if there is no mesh, or it has no axis ``axis_name``.
+  """
+  if mesh is None:
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or mesh.empty:
+      raise ValueError(
+        "no mesh: pass mesh=jax.make_mesh((jax.device_count(),), ('data',)) "
+        "or call jax.set_mesh(mesh) before creating the transformation."
+      )
+  if not isinstance(mesh, Mesh):
+    raise ValueError(
+      f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}; "
+      "build one with jax.make_mesh."
+    )
+  if axis_name not in mesh.axis_names:
+    raise ValueError(
+      f"mesh has no axis {axis_name!r} (its axes are {mesh.axis_names}); pass "
+      f"axis_name=... naming the data-parallel axis, or build the mesh with "
+      f"jax.make_mesh((n,), ({axis_name!r},))."
+    )
+  return mesh
+
+
+def is_explicit(mesh: Mesh) -> bool:
+  """Whether any axis of ``mesh`` uses explicit sharding (``jax.make_mesh``'s default)."""
+  return any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def global_view(mesh: Mesh, fn: Callable[..., Any], out_specs: Any) -> Callable[..., Any]:
+  """Runs ``fn`` on global arrays with sharding propagated by the compiler.
+
+  zerojax runs the wrapped optimizer in the global view, where a norm is a
+  global norm. On meshes with explicit axes that view is entered through
+  ``jax.sharding.auto_axes``, because explicit sharding-in-types forbids what
+  the optimizer may legitimately do (slice a padded dimension unevenly,
+  contract over a sharded dimension in Muon's Newton-Schulz iteration).
+
+  Args:
+    mesh: the mesh.
+    fn: a function of pytrees of arrays.
+    out_specs: a pytree of ``PartitionSpec`` for ``fn``'s output.
+
+  Returns:
+    A function like ``fn`` whose outputs are constrained to ``out_specs``.
+  """
+  if is_explicit(mesh):
+
+    def run(*args):
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args)
+
+    return run
+
+  def run(*args):
+    return constrain(mesh, fn(*args), out_specs)
+
+  return run
+
+
+def constrain(mesh: Mesh, tree: Any, specs: Any) -> Any:
+  """``with_sharding_constraint`` of a pytree to a matching pytree of ``PartitionSpec``."""
+  return jax.tree.map(
+    lambda x, spec: jax.lax.with_sharding_constraint(x, _sharding(mesh, spec)),
+    tree,
+    specs,
+    is_leaf=lambda x: isinstance(x, P),
+  )
+
+
+def _sharding(mesh: Mesh, spec: P) -> Any:
+  # Under an abstract-mesh context a bare spec is required; otherwise a NamedSharding.
+  if not jax.sharding.get_abstract_mesh().empty:
+    return spec
+  return NamedSharding(mesh, spec)
