@@ -2,6 +2,7 @@
 
 from zerojax._src.collectives import Shard, gather, remat_policy
 from zerojax._src.grad import value_and_grad
+from zerojax._src.hlo import Collective, count_collectives
 from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
 from zerojax._src.zero import ZeroState, ZeroTransformation, zero1, zero2, zero3
 

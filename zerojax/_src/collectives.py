@@ -25,10 +25,23 @@ from jax.ad_checkpoint import checkpoint_name
 #: ``jax.checkpoint_name`` of every array ``gather`` returns.
 GATHERED = "zerojax_gathered"
 
-#: A remat policy that saves everything except gathered parameters, so that a
-#: ``jax.checkpoint``-ed layer re-gathers its weights in the backward pass
-#: instead of keeping the whole gathered model alive between the passes.
-remat_policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+
+def remat_policy(primitive, *_, **params) -> bool:
+  """A ``jax.checkpoint`` policy that saves everything except gathered parameters.
+
+  With it, a checkpointed layer re-gathers its weights in the backward pass
+  instead of keeping every layer's gathered weights alive from the forward
+  pass to the backward pass, which would hold the whole model on each device.
+  Slices are not saved either: they are free to recompute, and the slice that
+  removes padding would otherwise keep a gathered weight alive.
+
+  Example:
+    >>> import jax, zerojax
+    >>> body = jax.checkpoint(lambda h, w: h @ zerojax.gather(w), policy=zerojax.remat_policy)
+  """
+  if primitive.name.startswith("all_gather") or primitive.name == "slice":
+    return False
+  return not (primitive.name == "name" and params.get("name") == GATHERED)
 
 
 @jax.tree_util.register_dataclass

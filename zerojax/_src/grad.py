@@ -156,7 +156,9 @@ def _check_batch(batch, tx) -> None:
 
 
 def _check_params(params, stored: layout_lib.Layout, tx) -> None:
-  for (path, x), leaf in zip(jax.tree_util.tree_flatten_with_path(params)[0], stored.leaves):
+  for (path, x), leaf in zip(
+    jax.tree_util.tree_flatten_with_path(params)[0], stored.leaves, strict=True
+  ):
     if tuple(np.shape(x)) != leaf.stored_shape:
       raise ValueError(
         f"params{jax.tree_util.keystr(path)} has shape {np.shape(x)} but stage "

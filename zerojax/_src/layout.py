@@ -104,7 +104,7 @@ class Layout(NamedTuple):
     """Maps ``fn(leaf_layout, *leaves)`` over trees of this structure."""
     flat = [self._flatten(tree) for tree in trees]
     return jax.tree.unflatten(
-      self.treedef, [fn(leaf, *xs) for leaf, *xs in zip(self.leaves, *flat)]
+      self.treedef, [fn(leaf, *xs) for leaf, *xs in zip(self.leaves, *flat, strict=True)]
     )
 
   def _flatten(self, tree: Any) -> list[Any]:
@@ -219,7 +219,7 @@ def plan(
   overrides = _overrides(rule, tree, treedef, paths_and_leaves)
   mirrors = _mirrors(like)
   leaves = []
-  for (path, leaf), override in zip(paths_and_leaves, overrides):
+  for (path, leaf), override in zip(paths_and_leaves, overrides, strict=True):
     leaves.append(
       _plan_leaf(
         path,
@@ -352,7 +352,7 @@ def _mirrored_dim(mirrors, path, shape) -> int | None:
 
 
 def _dtype_of(x: Any) -> np.dtype:
-  return np.dtype(getattr(x, "dtype", np.result_type(x)))
+  return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
 
 
 def replicated(layout: Layout, axis_name: str) -> Layout:

@@ -221,7 +221,7 @@ def _check_shapes(tree: Any, layout: layout_lib.Layout, what: str) -> None:
       f"{treedef}, expected {layout.treedef}. Use the {what} that init returned "
       "for these parameters."
     )
-  for (path, x), leaf in zip(leaves, layout.leaves):
+  for (path, x), leaf in zip(leaves, layout.leaves, strict=True):
     if tuple(np.shape(x)) != leaf.stored_shape:
       raise ValueError(
         f"{what} leaf {jax.tree_util.keystr(path)} has shape {np.shape(x)}, "
