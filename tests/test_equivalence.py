@@ -13,6 +13,11 @@ from tests import models
 
 STEPS = 3
 
+
+def _all(params, value):
+  return {key: value for key in params}
+
+
 OPTIMIZERS = {
   "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
   "adam": lambda: optax.adam(1e-2),

@@ -10,11 +10,13 @@ __version__ = "0.1.0"
 
 __all__ = (
   "DEFAULT_MIN_SHARD_SIZE",
+  "Collective",
   "Layout",
   "LeafLayout",
   "Shard",
   "ZeroState",
   "ZeroTransformation",
+  "count_collectives",
   "default_shard_dim",
   "gather",
   "remat_policy",

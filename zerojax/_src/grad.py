@@ -6,11 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax._src import collectives
 from zerojax._src import layout as layout_lib
+from zerojax._src import mesh as mesh_lib
 from zerojax._src.zero import ZeroTransformation
 
 
@@ -86,9 +89,14 @@ def value_and_grad(
 
       (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(differentiable)
       grads = sharded.map(lambda leaf, g: _reduce(leaf, g, tx), grads)
-      aux = jax.tree.map(lambda a: a[None], aux)
+      aux = jax.tree.map(lambda a: jnp.asarray(a)[None], aux)
       return jax.lax.pmean(loss, axis), aux, grads
 
+    batch_specs = tuple(jax.tree.map(lambda _: P(axis), b) for b in batch)
+    if mesh_lib.is_explicit(tx.mesh):
+      # Explicit axes: shard_map takes inputs only as they are typed, so place them.
+      params = _reshard(params, plans.params.specs(), tx.mesh)
+      batch = _reshard(batch, batch_specs, tx.mesh)
     loss, aux, grads = jax.shard_map(
       per_device,
       mesh=tx.mesh,
@@ -99,6 +107,15 @@ def value_and_grad(
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
   return value_and_grad_fn
+
+
+def _reshard(tree, specs, mesh):
+  return jax.tree.map(
+    lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)),
+    tree,
+    specs,
+    is_leaf=lambda x: isinstance(x, P),
+  )
 
 
 def _data_only(leaf: layout_lib.LeafLayout, axis_name: str) -> P:

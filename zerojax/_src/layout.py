@@ -351,8 +351,9 @@ def _mirrored_dim(mirrors, path, shape) -> int | None:
   return None
 
 
-def _dtype_of(x: Any) -> np.dtype:
-  return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
+def _dtype_of(x: Any) -> np.dtype | str:
+  # Not an array: the type's name keeps signatures hashable; ``plan`` then raises.
+  return np.dtype(x.dtype) if hasattr(x, "dtype") else type(x).__name__
 
 
 def replicated(layout: Layout, axis_name: str) -> Layout:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,18 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:
       f"jax.make_mesh((n,), ({axis_name!r},))."
     )
   return mesh
+
+
+def entered(mesh: Mesh, *trees: Any) -> contextlib.AbstractContextManager:
+  """``jax.set_mesh(mesh)`` for an eager call, so that jit knows the devices of
+  outputs that depend on no input (such as a step counter); inside a trace
+  (where ``set_mesh`` is not allowed) nothing."""
+  return contextlib.nullcontext() if is_traced(trees) else jax.set_mesh(mesh)
+
+
+def is_traced(tree: Any) -> bool:
+  """Whether any leaf is a tracer (we are inside ``jax.jit`` or another transformation)."""
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def is_explicit(mesh: Mesh) -> bool:

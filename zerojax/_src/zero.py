@@ -72,7 +72,7 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     """
     plans = self._planner.plans(params)
     params = plans.to_logical(params)
-    if _is_traced(params):
+    if mesh_lib.is_traced(params):
       stored = plans.params.pad(params)
       return mesh_lib.constrain(self.mesh, stored, plans.params.specs())
     return plans.params.map(
@@ -85,7 +85,8 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     plans = self._planner.plans(params)
     specs = plans.params.map(lambda leaf: leaf.full_spec(self.axis_name))
     fn = mesh_lib.global_view(self.mesh, plans.to_logical, specs)
-    return jax.jit(fn)(params)
+    with mesh_lib.entered(self.mesh, params):
+      return jax.jit(fn)(params)
 
   def unpad(self, params: optax.Params) -> optax.Params:
     """Stored parameters with their padding sliced off, still sharded (inside ``jax.jit``).
@@ -178,7 +179,8 @@ class _Planner:
     return _Plans(sharded, stored, state)
 
   def init(self, params: optax.Params) -> ZeroState:
-    return self._init(params, plans=self.plans(params))
+    with mesh_lib.entered(self.mesh, params):
+      return self._init(params, plans=self.plans(params))
 
   def _init_impl(self, params, plans):
     def init(params):
@@ -194,7 +196,8 @@ class _Planner:
         "that this transformation's init returned."
       )
     _check_shapes(state.inner_state, plans.state, "optimizer state")
-    return self._update(updates, state, params, extra_args, plans=plans)
+    with mesh_lib.entered(self.mesh, updates, state, params, extra_args):
+      return self._update(updates, state, params, extra_args, plans=plans)
 
   def _update_impl(self, updates, state, params, extra_args, plans):
     # Logical shapes sharded like the stored ones: unevenly where padded, which
@@ -228,10 +231,6 @@ def _check_shapes(tree: Any, layout: layout_lib.Layout, what: str) -> None:
         f"expected {leaf.stored_shape}: it was made for another model, stage "
         "or device count."
       )
-
-
-def _is_traced(tree: Any) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _zero(stage: int, inner, mesh, axis_name, layout, min_shard_size) -> ZeroTransformation:

@@ -1,0 +1,168 @@
+"""Meshes, placement, errors, recompilation and donation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+
+import zerojax
+from tests import models
+
+
+def make_mesh(n, types=AxisType.Auto, extra=None):
+  devices = jax.devices()[: n * (extra or 1)]
+  if extra:
+    return jax.make_mesh((n, extra), ("data", "model"), (types, types), devices=devices)
+  return jax.make_mesh((n,), ("data",), (types,), devices=devices)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize(
+  "mesh_args", [(1,), (2,), (4,), (8, AxisType.Explicit), (4, AxisType.Auto, 2)], ids=str
+)
+def test_meshes_match_plain_optax(stage, mesh_args):
+  mesh = make_mesh(*mesh_args)
+  params, batch = models.make_params(), models.make_batch()
+  expected = models.reference(optax.adam(1e-2), params, batch, 2)
+  tx = getattr(zerojax, f"zero{stage}")(optax.adam(1e-2), mesh=mesh, min_shard_size=1)
+  actual = models.train(tx, params, batch, 2)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6)
+
+
+def test_mesh_from_set_mesh():
+  mesh = make_mesh(8, AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    tx = zerojax.zero3(optax.sgd(0.1))
+  assert tx.mesh is mesh and tx.axis_name == "data" and tx.stage == 3
+
+
+def test_stage_layouts_and_shardings(mesh):
+  params = {"w": jnp.ones((16, 64)), "b": jnp.ones(3)}
+  for stage, w_spec in [(1, ()), (2, ()), (3, (None, "data"))]:
+    tx = getattr(zerojax, f"zero{stage}")(optax.adam(0.1), mesh=mesh)
+    placed = tx.shard(params)
+    assert tuple(placed["w"].sharding.spec) in {w_spec, (None, None)}
+    state = tx.init(placed)
+    assert state.inner_state[0].mu["w"].sharding.spec == jax.P(None, "data")
+    assert tx.param_shardings(params)["w"] == placed["w"].sharding
+    assert jax.tree.structure(tx.state_shardings(params)) == jax.tree.structure(state)
+    gathered = tx.gather(placed)
+    np.testing.assert_array_equal(gathered["w"], params["w"])
+    assert gathered["w"].sharding.is_fully_replicated
+
+
+def test_padded_leaf_round_trip(mesh):
+  tx = zerojax.zero3(optax.adam(0.1), mesh=mesh, min_shard_size=1)
+  x = jnp.arange(7 * 13, dtype=jnp.float32).reshape(7, 13)
+  placed = tx.shard({"x": x})
+  assert placed["x"].shape == (7, 16)
+  assert placed["x"].addressable_shards[0].data.shape == (7, 2)
+  np.testing.assert_array_equal(tx.gather(placed)["x"], x)
+  np.testing.assert_array_equal(jax.jit(tx.gather)(placed)["x"], x)
+
+
+def test_integer_leaves_pass_through(mesh):
+  inner = optax.masked(optax.adam(0.1), {"w": True, "ids": False})
+  tx = zerojax.zero3(inner, mesh=mesh)
+  params = {"w": jnp.ones((8, 128)), "ids": jnp.arange(16)}
+  placed = tx.shard(params)
+  assert placed["ids"].sharding.is_fully_replicated
+  state = tx.init(placed)
+  grads = {"w": jnp.ones((8, 128)), "ids": jnp.zeros(16, jnp.int32)}
+  updates, _ = tx.update(grads, state, placed)
+  new = optax.apply_updates(placed, updates)
+  np.testing.assert_array_equal(new["ids"], params["ids"])
+
+
+def test_aux_is_stacked_per_device(mesh):
+  tx = zerojax.zero2(optax.sgd(0.1), mesh=mesh)
+  params = tx.shard({"w": jnp.ones((4, 128))})
+
+  def loss_fn(params, x):
+    w = zerojax.gather(params)["w"]
+    return jnp.mean(x @ w), {"rows": x.shape[0]}
+
+  x = jnp.ones((16, 4))
+  (loss, aux), grads = zerojax.value_and_grad(loss_fn, tx, has_aux=True)(params, x)
+  assert aux["rows"].shape == (8,) and int(aux["rows"][0]) == 2
+  assert float(loss) == pytest.approx(4.0)
+  np.testing.assert_allclose(tx.gather(grads)["w"], np.full((4, 128), 1 / 128))
+
+
+def test_second_step_does_not_recompile_and_donation_works(mesh):
+  params, batch = models.make_params(), models.make_batch()
+  tx = zerojax.zero3(optax.adam(1e-2), mesh=mesh, min_shard_size=1)
+  params = tx.shard(params)
+  state = tx.init(params)
+  step = jax.jit(models.explicit_step(tx).__wrapped__, donate_argnums=(0, 1))
+  params, state, _ = step(params, state, *batch)
+  old = params
+  before = step._cache_size()
+  params, state, _ = step(params, state, *batch)
+  assert step._cache_size() == before
+  assert old["embed"].is_deleted(), "donated params buffer was not reused"
+
+
+def test_wrong_batch_size_raises(mesh):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=mesh)
+  params = tx.shard({"w": jnp.ones((4, 4))})
+  with pytest.raises(ValueError, match="must divide by the 8 devices"):
+    zerojax.value_and_grad(lambda p, x: jnp.sum(x), tx)(params, jnp.ones((10, 4)))
+
+
+def test_mesh_without_axis_raises():
+  mesh = jax.make_mesh((8,), ("batch",))
+  with pytest.raises(ValueError, match="mesh has no axis 'data'"):
+    zerojax.zero1(optax.sgd(0.1), mesh=mesh)
+
+
+def test_no_mesh_raises():
+  with pytest.raises(ValueError, match="no mesh"):
+    zerojax.zero1(optax.sgd(0.1))
+
+
+def test_state_from_another_model_raises(mesh):
+  tx = zerojax.zero1(optax.adam(0.1), mesh=mesh)
+  params = tx.shard({"w": jnp.ones((8, 128))})
+  other = tx.init(tx.shard({"w": jnp.ones((8, 256))}))
+  with pytest.raises(ValueError, match="another model, stage or device count"):
+    tx.update(params, other, params)
+  with pytest.raises(ValueError, match="not a ZeroState"):
+    tx.update(params, optax.adam(0.1).init(params), params)
+
+
+def test_unplaced_padded_params_raise(mesh):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
+  params = {"w": jnp.ones((7, 13))}
+  tx.shard(params)
+  with pytest.raises(ValueError, match="place the params with tx.shard"):
+    zerojax.value_and_grad(lambda p, x: jnp.sum(x), tx)(params, jnp.ones((8, 4)))
+
+
+def test_params_from_another_mesh_raise(mesh):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
+  other = zerojax.zero3(optax.sgd(0.1), mesh=make_mesh(4))
+  params = other.shard({"w": jnp.ones((8, 128))})
+  with pytest.raises(ValueError, match="not on this transformation's mesh"):
+    zerojax.value_and_grad(lambda p, x: jnp.sum(x), tx)(params, jnp.ones((8, 4)))
+
+
+def test_non_array_leaf_raises(mesh):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
+  with pytest.raises(ValueError, match="not an array"):
+    tx.shard({"w": jnp.ones(4), "name": "layer"})
+
+
+def test_not_an_optimizer_raises(mesh):
+  with pytest.raises(ValueError, match="wraps an optax.GradientTransformation"):
+    zerojax.zero2(lambda x: x, mesh=mesh)
+
+
+def test_shard_without_gather_raises_helpfully(mesh):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
+  params = tx.shard({"w": jnp.ones((8, 128))})
+  with pytest.raises(TypeError, match="call zerojax.gather"):
+    zerojax.value_and_grad(lambda p, x: jnp.sum(x @ p["w"]), tx)(params, jnp.ones((8, 8)))
