@@ -138,7 +138,7 @@ def test_unplaced_padded_params_raise(mesh):
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
   params = {"w": jnp.ones((7, 13))}
   tx.shard(params)
-  with pytest.raises(ValueError, match="place the params with tx.shard"):
+  with pytest.raises(ValueError, match=r"place the params with tx\.shard"):
     zerojax.value_and_grad(lambda p, x: jnp.sum(x), tx)(params, jnp.ones((8, 4)))
 
 
@@ -157,12 +157,12 @@ def test_non_array_leaf_raises(mesh):
 
 
 def test_not_an_optimizer_raises(mesh):
-  with pytest.raises(ValueError, match="wraps an optax.GradientTransformation"):
+  with pytest.raises(ValueError, match=r"wraps an optax\.GradientTransformation"):
     zerojax.zero2(lambda x: x, mesh=mesh)
 
 
 def test_shard_without_gather_raises_helpfully(mesh):
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
   params = tx.shard({"w": jnp.ones((8, 128))})
-  with pytest.raises(TypeError, match="call zerojax.gather"):
+  with pytest.raises(TypeError, match=r"call zerojax\.gather"):
     zerojax.value_and_grad(lambda p, x: jnp.sum(x @ p["w"]), tx)(params, jnp.ones((8, 8)))
