@@ -36,7 +36,7 @@ def test_default_plan_invariants(shape, n):
   candidates = range(1 if len(shape) >= 2 else 0, len(shape))
   if any(shape[d] % n == 0 for d in candidates):
     assert leaf.padding == 0, "a divisible dimension is preferred to padding"
-  assert leaf.partition_spec[leaf.dim] == "data"
+  assert leaf.spec[leaf.dim] == "data"
 
 
 @settings(max_examples=200, deadline=None)

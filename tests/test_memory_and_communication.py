@@ -88,11 +88,12 @@ def test_stage3_scan_never_holds_the_whole_model():
   assert temp < 0.5 * MODEL_BYTES
 
 
-@pytest.mark.parametrize("stage, ratio", [(1, 1.8), (2, 1.2), (3, 1.0)])
+@pytest.mark.parametrize("stage, ratio", [(1, 1.8), (2, 1.0), (3, 0.5)])
 def test_no_stage_adds_much_transient_memory_over_data_parallelism(stage, ratio):
   # Stage 1 holds each device's full local gradient until the reduce-scatter,
   # and the all-gathered updates, where plain DP all-reduces in place: the
-  # measured ratios are about 1.65 (stage 1), 1.1 (stage 2) and 0.4 (stage 3).
+  # measured ratios are about 1.65 (stage 1), 0.88 (stage 2) and 0.34 (stage 3).
+  # Stage 2 above 1.0 would mean the remat policy saved the full weights again.
   baseline = compiled(0)[0].memory_analysis().temp_size_in_bytes
   assert compiled(stage)[0].memory_analysis().temp_size_in_bytes <= ratio * baseline
 

@@ -32,16 +32,24 @@ def remat_policy(primitive, *_, **params) -> bool:
   With it, a checkpointed layer re-gathers its weights in the backward pass
   instead of keeping every layer's gathered weights alive from the forward
   pass to the backward pass, which would hold the whole model on each device.
-  Slices are not saved either: they are free to recompute, and the slice that
-  removes padding would otherwise keep a gathered weight alive.
+  Slices and casts are not saved either: they are free to recompute, and the
+  slice that removes padding (stage 3) or the cast that reads a replicated
+  weight (stage 2) would otherwise keep a full weight alive.
 
   Example:
     >>> import jax, zerojax
     >>> body = jax.checkpoint(lambda h, w: h @ zerojax.gather(w), policy=zerojax.remat_policy)
   """
-  if primitive.name.startswith("all_gather") or primitive.name == "slice":
+  name = primitive.name
+  if name.startswith("all_gather") or name == "slice":
     return False
-  return not (primitive.name == "name" and params.get("name") == GATHERED)
+  if name == "custom_vjp_call" and _only_casts(params["call_jaxpr"]):
+    return False
+  return not (name == "name" and params.get("name") == GATHERED)
+
+
+def _only_casts(closed_jaxpr) -> bool:
+  return all(eqn.primitive.name in ("pvary", "pcast") for eqn in closed_jaxpr.jaxpr.eqns)
 
 
 @jax.tree_util.register_dataclass

@@ -62,7 +62,7 @@ def value_and_grad(
     >>> x, y = jnp.ones((8, 16)), jnp.ones((8, 64))
     >>> loss, grads = zerojax.value_and_grad(loss_fn, tx)(params, x, y)
     >>> float(loss), grads["w"].sharding.spec
-    (1.0, PartitionSpec(None, 'data'))
+    (1.0, P(None, 'data'))
   """
   if not isinstance(tx, ZeroTransformation):
     raise ValueError(

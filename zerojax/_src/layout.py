@@ -65,11 +65,11 @@ class LeafLayout(NamedTuple):
   @property
   def partition_spec(self) -> P:
     """The stored array's ``PartitionSpec``."""
-    return P(*self.spec)
+    return _trimmed(self.spec)
 
   def full_spec(self, axis_name: str) -> P:
     """The spec of the gathered array: the data axis removed, others kept."""
-    return P(*(_without(entry, axis_name) for entry in self.spec))
+    return _trimmed(tuple(_without(entry, axis_name) for entry in self.spec))
 
   def pad(self, x: jax.Array) -> jax.Array:
     """Appends zeros along ``dim`` (a no-op when no padding is needed)."""
@@ -84,6 +84,13 @@ class LeafLayout(NamedTuple):
     if not self.padding:
       return x
     return jax.lax.slice_in_dim(x, 0, self.shape[self.dim], axis=x.ndim + self.dim)
+
+
+def _trimmed(entries: tuple[Any, ...]) -> P:
+  """A ``PartitionSpec`` without trailing ``None`` s (``P()`` rather than ``P(None, None)``)."""
+  while entries and entries[-1] is None:
+    entries = entries[:-1]
+  return P(*entries)
 
 
 class Layout(NamedTuple):
@@ -361,7 +368,7 @@ def replicated(layout: Layout, axis_name: str) -> Layout:
   return Layout(
     layout.treedef,
     tuple(
-      leaf._replace(dim=None, padded_size=0, spec=tuple(leaf.full_spec(axis_name)))
+      leaf._replace(dim=None, padded_size=0, spec=tuple(_without(e, axis_name) for e in leaf.spec))
       for leaf in layout.leaves
     ),
   )

@@ -317,7 +317,7 @@ zero1.__doc__ = (
     >>> params = tx.shard({"w": jnp.ones((64, 64))})
     >>> state = tx.init(params)
     >>> state.inner_state[0].mu["w"].sharding.spec
-    PartitionSpec(None, 'data')
+    P(None, 'data')
 """
   + _ARGS_DOC
 )
@@ -334,7 +334,7 @@ zero2.__doc__ = (
     >>> tx = zerojax.zero2(optax.adam(1e-3), mesh=mesh)
     >>> params = tx.shard({"w": jnp.ones((64, 64))})
     >>> params["w"].sharding.spec
-    PartitionSpec()
+    P()
 """
   + _ARGS_DOC
 )
@@ -352,7 +352,7 @@ zero3.__doc__ = (
     >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
     >>> params = tx.shard({"w": jnp.ones((64, 64))})
     >>> params["w"].sharding.spec
-    PartitionSpec(None, 'data')
+    P(None, 'data')
 """
   + _ARGS_DOC
 )
