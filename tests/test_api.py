@@ -166,3 +166,23 @@ def test_shard_without_gather_raises_helpfully(mesh):
   params = tx.shard({"w": jnp.ones((8, 128))})
   with pytest.raises(TypeError, match=r"call zerojax\.gather"):
     zerojax.value_and_grad(lambda p, x: jnp.sum(x @ p["w"]), tx)(params, jnp.ones((8, 8)))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_init_on_shape_dtype_structs_and_stable_state_types(stage, mesh):
+  tx = getattr(zerojax, f"zero{stage}")(optax.adam(0.1), mesh=mesh, min_shard_size=1)
+  params = {"w": jnp.ones((7, 13)), "b": jnp.ones(64)}
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  shapes = jax.eval_shape(tx.init, abstract)
+  placed = tx.shard(params)
+  state = tx.init(placed)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(
+    lambda x: (x.shape, x.dtype), state
+  )
+  assert jax.tree.map(lambda s: s.spec, tx.state_shardings(abstract)) == jax.tree.map(
+    lambda x: x.sharding.spec, state
+  )
+  grads = tx.shard(params) if stage == 3 else params
+  _, new_state = jax.jit(tx.update)(grads, state, placed)
+  assert jax.tree.map(jax.typeof, new_state) == jax.tree.map(jax.typeof, state)
+  assert jax.tree.map(lambda x: x.sharding, new_state) == jax.tree.map(lambda x: x.sharding, state)
