@@ -1,9 +1,11 @@
 """zerojax: ZeRO stages 1, 2 and 3 for JAX, as Optax transformations."""
 
 from zerojax._src.collectives import Shard, gather, remat_policy
+from zerojax._src.estimate import MemoryEstimate, estimate_memory, estimate_tree_memory
 from zerojax._src.grad import value_and_grad
 from zerojax._src.hlo import Collective, count_collectives
 from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
+from zerojax._src.profile import StepProfile, profile
 from zerojax._src.zero import ZeroState, ZeroTransformation, zero1, zero2, zero3
 
 __version__ = "0.1.0"
@@ -13,12 +15,17 @@ __all__ = (
   "Collective",
   "Layout",
   "LeafLayout",
+  "MemoryEstimate",
   "Shard",
+  "StepProfile",
   "ZeroState",
   "ZeroTransformation",
   "count_collectives",
   "default_shard_dim",
+  "estimate_memory",
+  "estimate_tree_memory",
   "gather",
+  "profile",
   "remat_policy",
   "value_and_grad",
   "zero1",

@@ -1,0 +1,154 @@
+"""Per-device memory of model states, predicted before anything is compiled."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from zerojax._src import layout as layout_lib
+
+STAGES = (0, 1, 2, 3)
+
+
+class MemoryEstimate(NamedTuple):
+  """Bytes per device of the model states (activations and temporaries not included).
+
+  Attributes:
+    params: parameters.
+    grads: gradients.
+    optimizer_state: optimizer state (with fp32 master weights, if any).
+    total: the sum.
+  """
+
+  params: float
+  grads: float
+  optimizer_state: float
+  total: float
+
+
+# The first stage that splits each kind of model state over the devices.
+_PARAMS_SPLIT_FROM, _GRADS_SPLIT_FROM, _STATE_SPLIT_FROM = 3, 2, 1
+
+
+def _check(num_devices: int, stage: int) -> None:
+  if stage not in STAGES:
+    raise ValueError(f"stage must be one of {STAGES} (0 is plain data parallelism), got {stage}.")
+  if num_devices < 1:
+    raise ValueError(f"num_devices must be at least 1, got {num_devices}.")
+
+
+def _share(stage: int, split_from: int, whole: float, split: float, num_devices: int) -> float:
+  """Bytes per device: ``split / N`` from stage ``split_from`` on, else ``whole``."""
+  return split / num_devices if stage >= split_from else whole
+
+
+def _estimate(params, grads, state) -> MemoryEstimate:
+  return MemoryEstimate(params, grads, state, params + grads + state)
+
+
+def estimate_memory(
+  num_params: float,
+  *,
+  num_devices: int,
+  stage: int,
+  param_bytes: float = 2,
+  grad_bytes: float = 2,
+  state_bytes: float = 12,
+) -> MemoryEstimate:
+  """Per-device bytes of parameters, gradients and optimizer state at a ZeRO stage.
+
+  The defaults are the ZeRO paper's mixed-precision Adam: 2-byte parameters and
+  gradients, and K = 12 bytes of state per parameter (fp32 master weights,
+  momentum and variance). Stage 0 is plain data parallelism.
+
+  Args:
+    num_params: Ψ, the number of parameters.
+    num_devices: N, the size of the data-parallel axis.
+    stage: 0, 1, 2 or 3.
+    param_bytes: bytes per parameter as stored for compute.
+    grad_bytes: bytes per gradient element.
+    state_bytes: K, optimizer-state bytes per parameter.
+
+  Returns:
+    A ``MemoryEstimate`` in bytes.
+
+  Example (the ZeRO paper's Table I, Ψ = 7.5B, N = 64):
+    >>> import zerojax
+    >>> [round(zerojax.estimate_memory(7.5e9, num_devices=64, stage=s).total / 1e9, 2)
+    ...  for s in (1, 2, 3)]
+    [31.41, 16.64, 1.88]
+  """
+  _check(num_devices, stage)
+  share = lambda split_from, size: _share(stage, split_from, size, size, num_devices)
+  return _estimate(
+    share(_PARAMS_SPLIT_FROM, num_params * param_bytes),
+    share(_GRADS_SPLIT_FROM, num_params * grad_bytes),
+    share(_STATE_SPLIT_FROM, num_params * state_bytes),
+  )
+
+
+def estimate_tree_memory(
+  params: optax.Params,
+  optimizer: optax.GradientTransformation,
+  *,
+  num_devices: int,
+  stage: int,
+  min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
+) -> MemoryEstimate:
+  """Per-device bytes of a real parameter tree and optax optimizer at a ZeRO stage.
+
+  Nothing is allocated: the optimizer's state is counted from
+  ``jax.eval_shape(optimizer.init, params)``, and each leaf is split (or
+  padded, or kept replicated) exactly as zerojax's layout plan would split it,
+  so the estimate matches what ``tx.shard`` and ``tx.init`` place. Gradients
+  are counted in the parameters' dtypes.
+
+  Args:
+    params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` s.
+    optimizer: the optax optimizer that zerojax would wrap.
+    num_devices: N, the size of the data-parallel axis.
+    stage: 0, 1, 2 or 3.
+    min_shard_size: as for ``zerojax.zero1`` etc.
+
+  Returns:
+    A ``MemoryEstimate`` in bytes.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    >>> zerojax.estimate_tree_memory(params, optax.adam(1e-3), num_devices=8, stage=3).total
+    2097156.0
+  """
+  _check(num_devices, stage)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+  plan = lambda tree, like=None: layout_lib.plan(
+    tree, axis_name="data", num_shards=num_devices, min_shard_size=min_shard_size, like=like
+  )
+  sharded = plan(abstract)
+  state = plan(jax.eval_shape(optimizer.init, abstract), like=sharded)
+  share = lambda split_from, counts: _share(stage, split_from, *counts, num_devices)
+  return _estimate(
+    share(_PARAMS_SPLIT_FROM, _bytes(sharded, num_devices)),
+    share(_GRADS_SPLIT_FROM, _bytes(sharded, num_devices)),
+    share(_STATE_SPLIT_FROM, _bytes(state, num_devices)),
+  )
+
+
+def _bytes(layout: layout_lib.Layout, num_devices: int) -> tuple[int, int]:
+  """(bytes of the whole tree; N times the bytes per device once the tree is split).
+
+  Once split, a sharded leaf costs its padded size over N per device, and a leaf
+  the plan keeps whole costs its full size on every device.
+  """
+  whole = split = 0
+  for leaf in layout.leaves:
+    size = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+    whole += size
+    if leaf.dim is None:
+      split += size * num_devices
+    else:
+      split += int(np.prod(leaf.stored_shape)) * leaf.dtype.itemsize
+  return whole, split
