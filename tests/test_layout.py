@@ -34,8 +34,10 @@ def test_default_plan_invariants(shape, n):
   assert leaf.padded_size % n == 0
   assert shape[leaf.dim] <= leaf.padded_size < shape[leaf.dim] + n
   candidates = range(1 if len(shape) >= 2 else 0, len(shape))
-  if any(shape[d] % n == 0 for d in candidates):
+  divisible = [d for d in candidates if shape[d] % n == 0]
+  if divisible:
     assert leaf.padding == 0, "a divisible dimension is preferred to padding"
+    assert leaf.dim == divisible[0] - len(shape), "the most major divisible dimension"
   assert leaf.spec[leaf.dim] == "data"
 
 

@@ -167,7 +167,8 @@ def default_shard_dim(shape: tuple[int, ...], num_shards: int, free_dims=None) -
   The leading dimension of a leaf with two or more dimensions is never chosen:
   it is the layer dimension of stacked (scanned) weights, and a scan body must
   see a whole layer's shard. Among the other dimensions, one that divides by
-  ``num_shards`` is preferred (no padding), then the largest, then the last.
+  ``num_shards`` is preferred (no padding), and among those the most major
+  (first); if none divides, the largest is padded.
 
   Args:
     shape: the leaf's logical shape.
@@ -184,7 +185,14 @@ def default_shard_dim(shape: tuple[int, ...], num_shards: int, free_dims=None) -
     candidates = [d for d in candidates if d in free_dims]
   if not candidates:
     return None
-  best = max(candidates, key=lambda d: (shape[d] % num_shards == 0, shape[d], d))
+  divisible = [d for d in candidates if shape[d] % num_shards == 0]
+  # The most major divisible dimension: its shards are contiguous blocks, which
+  # collectives move several times faster than strided ones (measured on
+  # XLA:CPU: a reduce-scatter over dim 0 of a 1024x1024 block is ~10x faster
+  # than over dim 1), and inside a scan body dim 1 of a stacked leaf is dim 0.
+  # With no divisible dimension, pad the largest: the least padding relative
+  # to the leaf.
+  best = divisible[0] if divisible else max(candidates, key=lambda d: (shape[d], d))
   return best - ndim
 
 
