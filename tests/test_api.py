@@ -186,3 +186,19 @@ def test_init_on_shape_dtype_structs_and_stable_state_types(stage, mesh):
   _, new_state = jax.jit(tx.update)(grads, state, placed)
   assert jax.tree.map(jax.typeof, new_state) == jax.tree.map(jax.typeof, state)
   assert jax.tree.map(lambda x: x.sharding, new_state) == jax.tree.map(lambda x: x.sharding, state)
+
+
+@pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit])
+def test_shard_inside_jit_and_gather_compiles_once(types):
+  mesh = make_mesh(8, types)
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh, min_shard_size=1)
+  params = {"w": jnp.ones((64, 64)), "odd": jnp.ones((7, 13))}
+  with jax.set_mesh(mesh):  # explicit axes: a jit with no placed input needs the mesh context
+    placed = jax.jit(tx.shard)(params)
+  assert placed["w"].sharding.spec == jax.P(None, "data") and placed["odd"].shape == (7, 16)
+  tx.gather(placed)
+  before = tx._planner._gather._cache_size()
+  for _ in range(3):
+    gathered = tx.gather(placed)
+  assert tx._planner._gather._cache_size() == before
+  np.testing.assert_array_equal(gathered["odd"], params["odd"])

@@ -73,8 +73,8 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     plans = self._planner.plans(params)
     params = plans.to_logical(params)
     if mesh_lib.is_traced(params):
-      stored = plans.params.pad(params)
-      return mesh_lib.constrain(self.mesh, stored, plans.params.specs())
+      place = lambda tree: plans.params.pad(tree)  # noqa: E731
+      return mesh_lib.global_view(self.mesh, place, plans.params.specs())(params)
     return plans.params.map(
       lambda leaf, x: jax.device_put(leaf.pad(x), NamedSharding(self.mesh, leaf.partition_spec)),
       params,
@@ -82,11 +82,7 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
 
   def gather(self, params: optax.Params) -> optax.Params:
     """Full, unpadded parameters, replicated over the data axis (for evaluation and export)."""
-    plans = self._planner.plans(params)
-    specs = plans.params.map(lambda leaf: leaf.full_spec(self.axis_name))
-    fn = mesh_lib.global_view(self.mesh, plans.to_logical, specs)
-    with mesh_lib.entered(self.mesh, params):
-      return jax.jit(fn)(params)
+    return self._planner.gather(params)
 
   def unpad(self, params: optax.Params) -> optax.Params:
     """Stored parameters with their padding sliced off, still sharded (inside ``jax.jit``).
@@ -153,6 +149,7 @@ class _Planner:
     self._known: dict[Any, _Plans] = {}
     self._update = jax.jit(self._update_impl, static_argnames="plans")
     self._init = jax.jit(self._init_impl, static_argnames="plans")
+    self._gather = jax.jit(self._gather_impl, static_argnames="plans")
 
   def plans(self, tree: Any) -> _Plans:
     key = layout_lib.signature(tree)
@@ -177,6 +174,14 @@ class _Planner:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     state = plan(jax.eval_shape(self.inner.init, abstract), like=sharded)
     return _Plans(sharded, stored, state)
+
+  def gather(self, params: optax.Params) -> optax.Params:
+    with mesh_lib.entered(self.mesh, params):
+      return self._gather(params, plans=self.plans(params))
+
+  def _gather_impl(self, params, plans):
+    specs = plans.params.map(lambda leaf: leaf.full_spec(self.axis_name))
+    return mesh_lib.global_view(self.mesh, plans.to_logical, specs)(params)
 
   def init(self, params: optax.Params) -> ZeroState:
     with mesh_lib.entered(self.mesh, params):
