@@ -73,8 +73,7 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     plans = self._planner.plans(params)
     params = plans.to_logical(params)
     if mesh_lib.is_traced(params):
-      place = lambda tree: plans.params.pad(tree)  # noqa: E731
-      return mesh_lib.global_view(self.mesh, place, plans.params.specs())(params)
+      return mesh_lib.global_view(self.mesh, plans.params.pad, plans.params.specs())(params)
     return plans.params.map(
       lambda leaf, x: jax.device_put(leaf.pad(x), NamedSharding(self.mesh, leaf.partition_spec)),
       params,

@@ -1,0 +1,98 @@
+"""Linen modules that gather their parameters when they are called.
+
+Inside ``zerojax.value_and_grad`` the parameters the layout splits reach
+``model.apply`` as ``zerojax.Shard`` s. Wrapping a module class with
+``gathered`` passes its ``"params"`` through ``zerojax.gather`` at each call,
+so each module opens its own parameters right before it uses them; under
+``nn.scan`` over stacked layers that is one layer per iteration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+
+from zerojax._src import collectives
+
+
+def gathered(target: Any) -> Any:
+  """Makes a Linen module gather its parameters when it is called, not before.
+
+  ``gathered(Block)`` is ``Block`` wrapped in ``nn.map_variables`` with
+  ``zerojax.gather`` as ``trans_in_fn``: every call first gathers the module's
+  ``"params"`` (its submodules' included) into full arrays. Wrap the modules
+  at the granularity you want whole at once: the block that ``nn.scan``
+  repeats, so that one layer is gathered per iteration, and the embedding and
+  the head. A parameter that the top-level module declares itself reaches it
+  as a ``zerojax.Shard``: call ``zerojax.gather`` on what ``self.param``
+  returns.
+
+  ``init`` creates full parameters as usual, and ``apply`` on full parameters
+  (outside ``value_and_grad``, for evaluation) runs unchanged, since
+  ``gather`` passes plain arrays through. As with other lifted transforms,
+  automatic names get a prefix (``Map_variablesDense_0``); pass ``name=`` to
+  choose your own.
+
+  Args:
+    target: a Linen ``Module`` class (or a function of a module, as
+      ``nn.map_variables`` accepts).
+
+  Returns:
+    The wrapped class (or function).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax, zerojax.flax
+    >>> import flax.linen as nn
+    >>> dense = zerojax.flax.gathered(nn.Dense)(64)
+    >>> params = dense.init(jax.random.key(0), jnp.ones((8, 16)))["params"]
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
+    >>> def loss_fn(params, x):
+    ...   return jnp.mean(dense.apply({"params": params}, x) ** 2)
+    >>> loss, grads = zerojax.value_and_grad(loss_fn, tx)(tx.shard(params), jnp.ones((8, 16)))
+    >>> grads["kernel"].sharding.spec
+    P(None, 'data')
+  """
+  # mutable=True rather than init=True: at init the parameters are created
+  # inside the mapped scope all the same, while init=True would also run the
+  # module on the raw shards whenever ``apply`` makes any collection mutable
+  # (batch statistics, say). Outside init, "params" is not mutable in the
+  # enclosing scope, so nothing is written back.
+  return nn.map_variables(target, "params", trans_in_fn=collectives.gather, mutable=True)
+
+
+def remat_gathered(target: Any, **remat_kwargs: Any) -> Any:
+  """``gathered(target)`` under ``nn.remat`` with ``zerojax.remat_policy``.
+
+  The checkpoint wraps the gather, so the backward pass gathers the module's
+  parameters again instead of keeping them alive from the forward pass. Under
+  ``nn.scan`` with stage 3 this keeps one layer whole at a time in both
+  passes. The order matters: ``gathered(nn.remat(Block, ...))`` would gather
+  outside the checkpoint, whose inputs are kept for the backward pass, and
+  hold every layer.
+
+  Args:
+    target: a Linen ``Module`` class.
+    **remat_kwargs: other arguments of ``nn.remat`` (``prevent_cse``,
+      ``static_argnums``, ``methods``).
+
+  Returns:
+    The wrapped class.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, zerojax.flax
+    >>> import flax.linen as nn
+    >>> class Block(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, h, _):
+    ...     return jnp.tanh(nn.Dense(h.shape[-1])(h)), None
+    >>> layers = nn.scan(
+    ...   zerojax.flax.remat_gathered(Block, prevent_cse=False),
+    ...   variable_axes={"params": 0}, split_rngs={"params": True}, length=3,
+    ... )()
+    >>> params = layers.init(jax.random.key(0), jnp.ones((8, 32)), None)["params"]
+    >>> params["Dense_0"]["kernel"].shape
+    (3, 32, 32)
+  """
+  return nn.remat(gathered(target), policy=collectives.remat_policy, **remat_kwargs)

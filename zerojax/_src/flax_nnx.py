@@ -1,0 +1,117 @@
+"""NNX modules trained with ``zerojax.value_and_grad``.
+
+An NNX model holds its parameters; ``zerojax.value_and_grad`` differentiates a
+function of a parameter pytree. ``nnx_value_and_grad`` bridges the two the way
+``nnx.value_and_grad`` does: it splits the model into its ``nnx.Param`` state
+and the rest, and rebuilds the model inside the per-device loss.
+``nnx_gathered`` gathers one submodule's parameters where the model uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from zerojax._src import collectives
+from zerojax._src import grad as grad_lib
+from zerojax._src.zero import ZeroTransformation
+
+
+def nnx_gathered(module: nnx.Module) -> nnx.Module:
+  """``module`` with its ``nnx.Param`` s gathered into full arrays.
+
+  Call it where the model uses a submodule, ``nnx_gathered(self.block)(h)``,
+  with ``nnx_value_and_grad(..., gather=False)``: each submodule is then whole
+  only while it runs, and inside an ``nnx.scan`` over stacked layers one layer
+  at a time (checkpoint the scan body with ``nnx.remat(policy=
+  zerojax.remat_policy)`` so that the backward pass gathers it again). The
+  result shares every other variable (batch statistics, RNG counters) with
+  ``module``. On full parameters it computes what ``module`` computes.
+
+  Args:
+    module: an NNX module whose parameters may be ``zerojax.Shard`` s.
+
+  Returns:
+    A module of the same graph with full parameters.
+
+  Example:
+    >>> import jax.numpy as jnp, zerojax.flax
+    >>> from flax import nnx
+    >>> linear = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+    >>> zerojax.flax.nnx_gathered(linear)(jnp.ones((8, 16))).shape
+    (8, 64)
+  """
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  return nnx.merge(graphdef, collectives.gather(params), rest)
+
+
+def nnx_value_and_grad(
+  loss_fn: Callable[..., Any],
+  tx: ZeroTransformation,
+  *,
+  has_aux: bool = False,
+  gather: bool = True,
+) -> Callable[..., Any]:
+  """``zerojax.value_and_grad`` for a loss of an NNX model, like ``nnx.value_and_grad``.
+
+  The returned ``f(model, *batch)`` splits ``model`` into its ``nnx.Param``
+  state and the rest, and calls ``loss_fn(model, *batch)`` once per device on
+  that device's slice of the batch, with the model rebuilt from the
+  parameters. The gradients (an ``nnx.State`` like ``nnx.state(model,
+  nnx.Param)``, in the stage's layout) go to ``nnx.Optimizer(model, tx,
+  wrt=nnx.Param).update(model, grads)``. In stage 3 the model must hold its
+  parameters as stored: ``nnx.update(model, tx.shard(nnx.state(model,
+  nnx.Param)))``.
+
+  Other variables are read, not written: NNX raises a ``TraceContextError``
+  if ``loss_fn`` changes one (batch statistics in training mode, or the RNG
+  counter of a module that draws from an ``nnx.Rngs`` it holds). Pass random
+  keys as a batch argument instead, one per example or per device.
+
+  Args:
+    loss_fn: ``loss_fn(model, *batch)`` returning a scalar loss (the mean over
+      its batch slice), or ``(loss, aux)`` with ``has_aux=True``.
+    tx: the ``ZeroTransformation`` that will apply the gradients.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back
+      stacked over devices, as from ``zerojax.value_and_grad``.
+    gather: if True, the whole model is gathered before ``loss_fn`` sees it,
+      which works with any model. If False, its parameters are
+      ``zerojax.Shard`` s, and the model gathers each submodule where it uses
+      it with ``nnx_gathered`` (stage 3's memory saving, layer by layer).
+
+  Returns:
+    ``f(model, *batch)`` returning ``(loss, grads)``, or ``((loss, aux),
+    grads)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax, zerojax.flax
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
+    >>> model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+    >>> nnx.update(model, tx.shard(nnx.state(model, nnx.Param)))
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    >>> def loss_fn(model, x):
+    ...   return jnp.mean(model(x) ** 2)
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, x):
+    ...   loss, grads = zerojax.flax.nnx_value_and_grad(loss_fn, tx)(model, x)
+    ...   optimizer.update(model, grads)
+    ...   return loss
+    >>> loss = train_step(model, optimizer, jnp.ones((8, 16)))
+    >>> model.kernel[...].sharding.spec
+    P(None, 'data')
+  """
+
+  def value_and_grad_fn(model, *batch):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_of_params(params, *batch):
+      params = collectives.gather(params) if gather else params
+      return loss_fn(nnx.merge(graphdef, params, rest), *batch)
+
+    return grad_lib.value_and_grad(loss_of_params, tx, has_aux=has_aux)(params, *batch)
+
+  return value_and_grad_fn
