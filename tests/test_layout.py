@@ -41,7 +41,7 @@ def test_default_plan_invariants(shape, n):
   assert leaf.spec[leaf.dim] == "data"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=50, deadline=None)  # eager jnp.pad compiles once per shape
 @given(shapes, num_shards)
 def test_pad_unpad_round_trip(shape, n):
   leaf = plan_one(shape, n)
