@@ -202,3 +202,14 @@ def test_shard_inside_jit_and_gather_compiles_once(types):
     gathered = tx.gather(placed)
   assert tx._planner._gather._cache_size() == before
   np.testing.assert_array_equal(gathered["odd"], params["odd"])
+
+
+def test_trees_of_another_structure_raise(mesh):
+  tx = zerojax.zero2(optax.adam(0.1), mesh=mesh)
+  params = tx.shard({"w": jnp.ones((8, 128))})
+  state = tx.init(params)
+  other = tx.init(tx.shard({"w": jnp.ones((8, 128)), "v": jnp.ones((8, 128))}))
+  with pytest.raises(ValueError, match="does not have the structure"):
+    tx.update(params, other, params)
+  with pytest.raises(ValueError, match="structure does not match the layout"):
+    tx.update({"v": jnp.ones((8, 128))}, state, params)
