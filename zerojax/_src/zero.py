@@ -273,40 +273,26 @@ _ARGS_DOC = """
 """
 
 
-def zero1(
-  inner: optax.GradientTransformation,
-  *,
-  mesh: Mesh | None = None,
-  axis_name: str = "data",
-  layout: Any = None,
-  min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
-) -> ZeroTransformation:
-  return _zero(1, inner, mesh, axis_name, layout, min_shard_size)
+def _stage(stage: int, summary: str):
+  """The public factory ``zero{stage}``, with ``summary`` and the shared argument docs."""
+
+  def factory(
+    inner: optax.GradientTransformation,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: str = "data",
+    layout: Any = None,
+    min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
+  ) -> ZeroTransformation:
+    return _zero(stage, inner, mesh, axis_name, layout, min_shard_size)
+
+  factory.__name__ = factory.__qualname__ = f"zero{stage}"
+  factory.__doc__ = summary + _ARGS_DOC
+  return factory
 
 
-def zero2(
-  inner: optax.GradientTransformation,
-  *,
-  mesh: Mesh | None = None,
-  axis_name: str = "data",
-  layout: Any = None,
-  min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
-) -> ZeroTransformation:
-  return _zero(2, inner, mesh, axis_name, layout, min_shard_size)
-
-
-def zero3(
-  inner: optax.GradientTransformation,
-  *,
-  mesh: Mesh | None = None,
-  axis_name: str = "data",
-  layout: Any = None,
-  min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
-) -> ZeroTransformation:
-  return _zero(3, inner, mesh, axis_name, layout, min_shard_size)
-
-
-zero1.__doc__ = (
+zero1 = _stage(
+  1,
   """ZeRO stage 1: shards the optimizer state over the data axis.
 
   Parameters stay replicated. With ``zerojax.value_and_grad`` each device keeps
@@ -322,10 +308,10 @@ zero1.__doc__ = (
     >>> state = tx.init(params)
     >>> state.inner_state[0].mu["w"].sharding.spec
     P(None, 'data')
-"""
-  + _ARGS_DOC
+""",
 )
-zero2.__doc__ = (
+zero2 = _stage(
+  2,
   """ZeRO stage 2: shards the optimizer state and the gradients.
 
   Parameters stay replicated. With ``zerojax.value_and_grad`` each layer's
@@ -339,10 +325,10 @@ zero2.__doc__ = (
     >>> params = tx.shard({"w": jnp.ones((64, 64))})
     >>> params["w"].sharding.spec
     P()
-"""
-  + _ARGS_DOC
+""",
 )
-zero3.__doc__ = (
+zero3 = _stage(
+  3,
   """ZeRO stage 3: shards the optimizer state, the gradients and the parameters.
 
   Each device stores 1/N of every parameter; ``zerojax.gather`` assembles a
@@ -357,6 +343,5 @@ zero3.__doc__ = (
     >>> params = tx.shard({"w": jnp.ones((64, 64))})
     >>> params["w"].sharding.spec
     P(None, 'data')
-"""
-  + _ARGS_DOC
+""",
 )
