@@ -24,9 +24,10 @@ def gathered(target: Any) -> Any:
   ``"params"`` (its submodules' included) into full arrays. Wrap the modules
   at the granularity you want whole at once: the block that ``nn.scan``
   repeats, so that one layer is gathered per iteration, and the embedding and
-  the head. A parameter that the top-level module declares itself reaches it
-  as a ``zerojax.Shard``: call ``zerojax.gather`` on what ``self.param``
-  returns.
+  the head. Every parameter must be inside a wrapped module: an unwrapped one
+  receives ``zerojax.Shard`` s, which in stage 3 fail Flax's own shape check
+  in ``self.param`` (``ScopeParamShapeError``). Put a parameter that the
+  top-level module would declare into a small module of its own, and wrap it.
 
   ``init`` creates full parameters as usual, and ``apply`` on full parameters
   (outside ``value_and_grad``, for evaluation) runs unchanged, since

@@ -1,0 +1,239 @@
+"""Flax models trained with zerojax match the same models trained with plain optax."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+import zerojax.flax
+
+STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
+STEPS = 3
+BATCH, SEQ, VOCAB = 16, 8, 13  # 13 is prime: leaves with it are padded once split
+MIN_SHARD_SIZE = 64  # small, so that almost every leaf is split
+
+
+def optimizer():
+  # Linear in the gradients, so that the rounding differences between one device and eight
+  # stay rounding-sized. (Adam divides each gradient by its magnitude: on a gradient that is
+  # mostly rounding noise, its step's sign depends on the order of summation.)
+  return optax.sgd(0.03, momentum=0.9)
+
+
+def tokens(seed):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, (BATCH, SEQ)), jnp.int32)
+
+
+def assert_same_trajectory(actual, expected):
+  """Per step: the losses, and every parameter after the step."""
+  for step, (got, want) in enumerate(zip(actual, expected, strict=True), start=1):
+    jax.tree_util.tree_map_with_path(
+      lambda path, a, b, step=step: np.testing.assert_allclose(
+        a, b, rtol=2e-5, atol=2e-6, err_msg=f"step {step}: {jax.tree_util.keystr(path)}"
+      ),
+      got,
+      want,
+    )
+
+
+# ------------------------------------------------------------------------------------ Linen
+
+# Eight layers, wide enough that the weights outweigh the activations: one layer is 1/8.
+LINEN_WIDTH, LINEN_LAYERS = 256, 8
+
+
+class Block(nn.Module):
+  """Pre-norm single-head attention and MLP."""
+
+  @nn.compact
+  def __call__(self, h, _):
+    q, k, v = jnp.split(nn.Dense(3 * LINEN_WIDTH, use_bias=False)(nn.RMSNorm()(h)), 3, axis=-1)
+    attention = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(LINEN_WIDTH))
+    h = h + nn.Dense(LINEN_WIDTH, use_bias=False)(attention @ v)
+    return h + nn.Dense(LINEN_WIDTH)(nn.relu(nn.Dense(2 * LINEN_WIDTH)(nn.RMSNorm()(h)))), None
+
+
+class Head(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    return nn.Dense(VOCAB)(nn.RMSNorm()(h))
+
+
+class Transformer(nn.Module):
+  """Gathers the embedding, each scanned layer and the head as it reaches them."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = zerojax.flax.gathered(nn.Embed)(VOCAB, LINEN_WIDTH)(x)
+    layers = nn.scan(
+      zerojax.flax.remat_gathered(Block, prevent_cse=False),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=LINEN_LAYERS,
+    )
+    h, _ = layers()(h, None)
+    return zerojax.flax.gathered(Head)()(h)
+
+
+@functools.cache
+def linen_params():
+  # On the host: placing host arrays with ``tx.shard`` needs no compiled resharding.
+  return jax.device_get(jax.jit(Transformer().init)(jax.random.key(0), tokens(0))["params"])
+
+
+def linen_loss(state, params, x, y):
+  logits = state.apply_fn({"params": params}, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def linen_train(state, value_and_grad, gather=lambda params: params):
+  """The compiled step, and the (loss, full params) trajectory it trains from ``state``."""
+
+  def step(state, x, y):
+    loss, grads = value_and_grad(functools.partial(linen_loss, state))(state.params, x, y)
+    return state.apply_gradients(grads=grads), loss
+
+  step = jax.jit(step).lower(state, tokens(1), tokens(2)).compile()
+  trajectory = []
+  for _ in range(STEPS):
+    state, loss = step(state, tokens(1), tokens(2))
+    trajectory.append((loss, gather(state.params)))
+  return step, trajectory
+
+
+@functools.cache
+def linen_reference():
+  """Plain optax on one device with the whole batch."""
+  state = train_state.TrainState.create(
+    apply_fn=Transformer().apply, params=linen_params(), tx=optimizer()
+  )
+  return linen_train(jax.device_put(state, jax.devices()[0]), jax.value_and_grad)[1]
+
+
+@functools.cache
+def linen_zero(stage, mesh):
+  """Like ``linen_reference``, with ``zerojax`` on 8 devices; also returns the compiled step."""
+  tx = STAGES[stage](optimizer(), mesh=mesh, min_shard_size=MIN_SHARD_SIZE)
+  with jax.set_mesh(mesh):
+    state = train_state.TrainState.create(
+      apply_fn=Transformer().apply, params=tx.shard(linen_params()), tx=tx
+    )
+    # An array on the mesh, as the step returns it, rather than the int 0: one compilation.
+    state = state.replace(step=jnp.asarray(0))
+    return linen_train(state, lambda loss_fn: zerojax.value_and_grad(loss_fn, tx), tx.gather)
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_linen_train_state_matches_plain_optax(stage, mesh):
+  assert_same_trajectory(linen_zero(stage, mesh)[1], linen_reference())
+
+
+def test_linen_stage3_scan_gathers_one_layer_at_a_time(mesh):
+  memory = linen_zero(3, mesh)[0].memory_analysis()
+  model_bytes = sum(x.nbytes for x in jax.tree.leaves(linen_params()))
+  # The parameters and the momentum, 1/8 each (and the batch).
+  assert memory.argument_size_in_bytes < 0.3 * model_bytes
+  # About one gathered layer; without the checkpoint, every layer stays gathered.
+  assert memory.temp_size_in_bytes < 0.25 * model_bytes
+
+
+def test_linen_gathered_module_runs_with_mutable_batch_statistics(mesh):
+  class Normalized(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.BatchNorm(use_running_average=False)(nn.Dense(16)(x))
+
+  model = zerojax.flax.gathered(Normalized)()
+  x = jnp.arange(8 * 8, dtype=jnp.float32).reshape(8, 8)
+  variables = model.init(jax.random.key(0), x)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=16)
+
+  def loss_fn(params, x):
+    y, updates = model.apply(
+      {"params": params, "batch_stats": variables["batch_stats"]}, x, mutable=["batch_stats"]
+    )
+    return jnp.mean(y**2), updates["batch_stats"]
+
+  value_and_grad = jax.jit(zerojax.value_and_grad(loss_fn, tx, has_aux=True))
+  (_, batch_stats), grads = value_and_grad(tx.shard(variables["params"]), x)
+  assert batch_stats["BatchNorm_0"]["mean"].shape == (8, 16)  # one per device
+  assert grads["Dense_0"]["kernel"].sharding.spec == P(None, "data")
+
+
+# -------------------------------------------------------------------------------------- NNX
+
+NNX_WIDTH, NNX_LAYERS = 32, 3
+
+
+class NnxBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.norm = nnx.RMSNorm(NNX_WIDTH, rngs=rngs)
+    self.linear = nnx.Linear(NNX_WIDTH, NNX_WIDTH, rngs=rngs)
+
+  def __call__(self, h):
+    return h + jnp.tanh(self.linear(self.norm(h)))
+
+
+class NnxModel(nnx.Module):
+  """An embedding, stacked layers under ``nnx.scan``, a head; each gathered where used."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, NNX_WIDTH, rngs=rngs)
+    self.layers = nnx.vmap(NnxBlock, in_axes=0, out_axes=0)(rngs.split(NNX_LAYERS))
+    self.head = nnx.Linear(NNX_WIDTH, VOCAB, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    @nnx.remat(policy=zerojax.remat_policy)
+    def layer(block, h):
+      return zerojax.flax.nnx_gathered(block)(h)
+
+    h = layer(self.layers, zerojax.flax.nnx_gathered(self.embed)(x))
+    return zerojax.flax.nnx_gathered(self.head)(h)
+
+
+def nnx_loss(model, x, y):
+  return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def nnx_train(tx, value_and_grad, gather=lambda params: params):
+  """The (loss, full params) trajectory of a new model trained with ``nnx.Optimizer``."""
+  model = NnxModel(nnx.Rngs(0))
+  if isinstance(tx, zerojax.ZeroTransformation):
+    nnx.update(model, tx.shard(nnx.state(model, nnx.Param)))
+  optimizer_ = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer_, x, y):
+    loss, grads = value_and_grad(model, x, y)
+    optimizer_.update(model, grads)
+    return loss
+
+  trajectory = []
+  for _ in range(STEPS):
+    loss = step(model, optimizer_, tokens(1), tokens(2))
+    trajectory.append((loss, nnx.to_pure_dict(gather(nnx.state(model, nnx.Param)))))
+  return trajectory
+
+
+@functools.cache
+def nnx_reference():
+  """Plain optax on one device with the whole batch."""
+  return nnx_train(optimizer(), nnx.value_and_grad(nnx_loss))
+
+
+@pytest.mark.parametrize("stage, gather", [(1, True), (2, False), (3, False), (3, True)])
+def test_nnx_optimizer_matches_plain_optax(stage, gather, mesh):
+  tx = STAGES[stage](optimizer(), mesh=mesh, min_shard_size=MIN_SHARD_SIZE)
+  value_and_grad = zerojax.flax.nnx_value_and_grad(nnx_loss, tx, gather=gather)
+  with jax.set_mesh(mesh):  # the optimizer's step counter is created on the mesh
+    trajectory = nnx_train(tx, value_and_grad, tx.gather)
+  assert_same_trajectory(trajectory, nnx_reference())
