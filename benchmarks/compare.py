@@ -268,21 +268,32 @@ def _compile_zero(name, tx, grad_fn, params, batch) -> Setup:
   return Setup(name, compiled, params, state)
 
 
-def build_setups(config: ModelConfig, mesh, batch) -> list[Setup]:
-  """Every setup, each starting from the same initial parameters (DP first)."""
-  builders = [
-    replicated_dp,
-    gspmd_fsdp,
-    functools.partial(gspmd_fsdp, constrain_activations=False),
-    *(functools.partial(zero_explicit, stage=stage) for stage in (1, 2, 3)),
-    *(functools.partial(zero_dropin, stage=stage) for stage in (1, 2, 3)),
-  ]
+# Every setup's builder, ``(config, mesh, params, batch) -> Setup``, DP first.
+BUILDERS = (
+  replicated_dp,
+  gspmd_fsdp,
+  functools.partial(gspmd_fsdp, constrain_activations=False),
+  *(functools.partial(zero_explicit, stage=stage) for stage in (1, 2, 3)),
+  *(functools.partial(zero_dropin, stage=stage) for stage in (1, 2, 3)),
+)
+
+
+def build_setups(
+  config: ModelConfig, mesh, batch, builders: tuple[Callable, ...] = BUILDERS
+) -> list[Setup]:
+  """The setups of ``builders``, each starting from the same initial parameters."""
   setups = []
   for build in builders:
     params = init_params(config, jax.random.key(0))
     setups.append(build(config, mesh, params, batch))
     print(f"compiled {setups[-1].name}", flush=True)
   return setups
+
+
+def make_batch(config: ModelConfig, mesh) -> tuple[jax.Array, jax.Array]:
+  """The fixed random ``(tokens, targets)`` batch every step trains on, split over ``data``."""
+  tokens = jax.random.randint(jax.random.key(1), (config.batch, config.seq + 1), 0, config.vocab)
+  return jax.device_put((tokens[:, :-1], tokens[:, 1:]), NamedSharding(mesh, P(AXIS)))
 
 
 # ---------------------------------------------------------------------------
@@ -454,6 +465,40 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def provenance(devices: int, elapsed: float, load: list[float]) -> str:
+  """When, with what and on what machine the run was made, how long it took, and the load.
+
+  Args:
+    devices: the forced host devices.
+    elapsed: the run's wall time in seconds.
+    load: the one-minute load average at the start and at the end of the run.
+  """
+  return (
+    f"Measured {datetime.date.today().isoformat()} with jax {jax.__version__}, optax "
+    f"{optax.__version__}, Python {platform.python_version()}, on {platform.platform()}: "
+    f"{len(os.sched_getaffinity(0))} CPUs ({_cpu_name()}) split into {devices} forced "
+    f"host devices. The whole run took {elapsed:.0f} s; the one-minute load average was "
+    f"{load[0]:.1f} at the start and {load[-1]:.1f} at the end."
+  )
+
+
+def describe_model(model: ModelConfig, psi: int) -> str:
+  """One sentence: the model's shape, batch, optimizer and parameter count Ψ."""
+  return (
+    f"Model: {model.layers} layers, d_model {model.d_model}, {model.heads} heads, vocabulary "
+    f"{model.vocab}, global batch {model.batch} x {model.seq} tokens, fp32, `optax.adam`; "
+    f"Ψ = {psi:,} parameters ({4 * psi / MIB:.2f} MiB)."
+  )
+
+
+def describe_timing(args: argparse.Namespace) -> str:
+  """One sentence: the ``--warmup``, ``--rounds`` and ``--steps`` of the timing."""
+  return (
+    f"Timing: {args.warmup} warm-up steps, then {args.rounds} interleaved rounds, each timing "
+    f"{args.steps} step(s) of every setup."
+  )
+
+
 def report(rows, ratios, args, argv: list[str], psi: int, elapsed: float, load) -> str:
   """The results section: how it was run, on what, and the two tables.
 
@@ -466,22 +511,14 @@ def report(rows, ratios, args, argv: list[str], psi: int, elapsed: float, load) 
     elapsed: the run's wall time in seconds.
     load: the one-minute load average at the start and at the end of the run.
   """
-  model = model_config(args)
   lines = [
-    f"Measured {datetime.date.today().isoformat()} with jax {jax.__version__}, optax "
-    f"{optax.__version__}, Python {platform.python_version()}, on {platform.platform()}: "
-    f"{len(os.sched_getaffinity(0))} CPUs ({_cpu_name()}) split into {args.devices} forced "
-    f"host devices. The whole run took {elapsed:.0f} s; the one-minute load average was "
-    f"{load[0]:.1f} at the start and {load[-1]:.1f} at the end.",
+    provenance(args.devices, elapsed, load),
     "",
     "```",
     " ".join(["python benchmarks/compare.py", *argv]),
     "```",
     "",
-    f"Model: {model.layers} layers, d_model {model.d_model}, {model.heads} heads, vocabulary "
-    f"{model.vocab}, global batch {model.batch} x {model.seq} tokens, fp32, `optax.adam`; "
-    f"Ψ = {psi:,} parameters ({4 * psi / MIB:.2f} MiB). Timing: {args.warmup} warm-up steps, "
-    f"then {args.rounds} interleaved rounds, each timing {args.steps} step(s) of every setup.",
+    f"{describe_model(model_config(args), psi)} {describe_timing(args)}",
     "",
     "**Memory per device**",
     "",
@@ -498,32 +535,46 @@ def report(rows, ratios, args, argv: list[str], psi: int, elapsed: float, load) 
   return "\n".join(lines)
 
 
-def write_markdown(path: str, section: str) -> None:
-  """Replaces the generated section of ``path`` (between the markers), keeping the rest."""
-  block = f"{RESULTS_BEGIN}\n{section}\n{RESULTS_END}"
+def write_markdown(
+  path: str, section: str, begin: str = RESULTS_BEGIN, title: str = "Benchmarks"
+) -> None:
+  """Replaces the generated section of ``path`` (between the markers), keeping the rest.
+
+  Args:
+    path: the Markdown file; created, with ``title`` as its heading, if missing.
+    section: the new text between the markers.
+    begin: the marker that opens the section (``RESULTS_END`` closes it).
+    title: the heading of a new file.
+  """
+  block = f"{begin}\n{section}\n{RESULTS_END}"
   try:
     with open(path) as f:
       text = f.read()
   except FileNotFoundError:
-    text = f"# Benchmarks\n\n{RESULTS_BEGIN}\n{RESULTS_END}\n"
-  if RESULTS_BEGIN not in text or RESULTS_END not in text:
-    raise ValueError(f"{path} has no {RESULTS_BEGIN!r} ... {RESULTS_END!r} section to replace")
-  before, rest = text.split(RESULTS_BEGIN, 1)
+    text = f"# {title}\n\n{begin}\n{RESULTS_END}\n"
+  if begin not in text or RESULTS_END not in text:
+    raise ValueError(f"{path} has no {begin!r} ... {RESULTS_END!r} section to replace")
+  before, rest = text.split(begin, 1)
   after = rest.split(RESULTS_END, 1)[1]
   with open(path, "w") as f:
     f.write(before + block + after)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-  """The command-line flags."""
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--devices", type=int, default=8, help="forced CPU devices")
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+  """Adds the flags that ``model_config`` reads."""
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--d-model", type=int, default=256)
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--vocab", type=int, default=1024)
   parser.add_argument("--seq", type=int, default=64)
   parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  """The command-line flags."""
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--devices", type=int, default=8, help="forced CPU devices")
+  add_model_flags(parser)
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps per setup")
   parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds")
   parser.add_argument("--steps", type=int, default=1, help="timed steps per setup per round")
@@ -560,8 +611,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   start, load = time.perf_counter(), [os.getloadavg()[0]]
   model = model_config(args)
   mesh = jax.make_mesh((args.devices,), (AXIS,), axis_types=(AxisType.Auto,))
-  tokens = jax.random.randint(jax.random.key(1), (model.batch, model.seq + 1), 0, model.vocab)
-  batch = jax.device_put((tokens[:, :-1], tokens[:, 1:]), NamedSharding(mesh, P(AXIS)))
+  batch = make_batch(model, mesh)
   setups = build_setups(model, mesh, batch)
   times, ratios = time_interleaved(setups, batch, args.warmup, args.rounds, args.steps)
   psi = sum(x.size for x in jax.tree.leaves(init_params(model, jax.random.key(0))))
