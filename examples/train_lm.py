@@ -1,12 +1,12 @@
 """Trains a character-level GPT on the Python standard library with ZeRO stage 0, 1, 2 or 3.
 
 The model is a decoder-only transformer (pre-norm RMSNorm, causal multi-head
-attention, ReLU MLP, learned positions, tied embeddings) written in plain JAX
-as a dict of arrays. Its layers are stacked along a leading layer dimension
-and run with ``jax.lax.scan``; the scan body gathers one layer's weights with
-``zerojax.gather`` and is wrapped in ``jax.checkpoint`` with
-``zerojax.remat_policy``, so under ZeRO-3 only one layer is ever whole and the
-backward pass gathers it again instead of keeping it. Gradients come from
+attention, ReLU MLP, learned positions, tied embeddings) written as Flax Linen
+modules. Its layers run under ``nn.scan``, so their parameters are stacked
+along a leading layer dimension; the scanned block is wrapped with
+``zerojax.flax.remat_gathered``, which gathers one layer's weights when the
+block is called and re-gathers them in the backward pass, so under ZeRO-3 only
+one layer is ever whole. Gradients come from
 ``zerojax.value_and_grad``, which runs the loss once per device on its slice of
 the batch. Stage 0 is the baseline: replicated parameters and optimizer state,
 plain ``jax.value_and_grad`` under ``jax.jit`` with the batch sharded.
@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +53,7 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 import zerojax
+import zerojax.flax
 
 AXIS = "data"
 VOCAB = 256  # bytes
@@ -161,58 +163,97 @@ def windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndar
 # --------------------------------------------------------------------------- model
 
 
-def init_params(seed: int, preset: Preset, seq_len: int) -> dict[str, np.ndarray]:
-  """GPT-2 style initialisation, on the host; per-layer weights are stacked along a leading dim."""
-  d, layers = preset.d_model, preset.n_layers
-  rng = np.random.default_rng([seed, 0])
-  normal = lambda shape, std: (std * rng.standard_normal(shape)).astype(np.float32)
-  ones = lambda *shape: np.ones(shape, np.float32)
-  residual_std = 0.02 / math.sqrt(2 * layers)
-  return {
-    "embed": normal((VOCAB, d), 0.02),  # tied: also the output projection
-    "pos": normal((seq_len, d), 0.01),
-    "layers": {
-      "norm_attn": ones(layers, d),
-      "qkv": normal((layers, d, 3 * d), 0.02),
-      "attn_out": normal((layers, d, d), residual_std),
-      "norm_mlp": ones(layers, d),
-      "mlp_in": normal((layers, d, 4 * d), 0.02),
-      "mlp_out": normal((layers, 4 * d, d), residual_std),
-    },
-    "norm_out": ones(d),
-  }
-
-
 def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
 
 
-def block(x: jax.Array, layer: dict[str, Any], n_heads: int) -> jax.Array:
-  """One pre-norm transformer layer; ``layer`` may hold zerojax shards."""
-  layer = zerojax.gather(layer)
-  batch, length, d = x.shape
-  heads = lambda t: t.reshape(batch, length, n_heads, d // n_heads)
-  q, k, v = jnp.split(rms_norm(x, layer["norm_attn"]) @ layer["qkv"], 3, axis=-1)
-  attended = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-  x = x + attended.reshape(batch, length, d) @ layer["attn_out"]
-  hidden = jax.nn.relu(rms_norm(x, layer["norm_mlp"]) @ layer["mlp_in"])
-  return x + hidden @ layer["mlp_out"]
+class Block(nn.Module):
+  """One pre-norm transformer layer, in the ``(carry, _) -> (carry, None)`` form of ``nn.scan``."""
+
+  d_model: int
+  n_heads: int
+  residual_std: float
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+    d = self.d_model
+    normal = nn.initializers.normal
+    norm_attn = self.param("norm_attn", nn.initializers.ones, (d,))
+    qkv = self.param("qkv", normal(0.02), (d, 3 * d))
+    attn_out = self.param("attn_out", normal(self.residual_std), (d, d))
+    norm_mlp = self.param("norm_mlp", nn.initializers.ones, (d,))
+    mlp_in = self.param("mlp_in", normal(0.02), (d, 4 * d))
+    mlp_out = self.param("mlp_out", normal(self.residual_std), (4 * d, d))
+    batch, length, _ = x.shape
+    heads = lambda t: t.reshape(batch, length, self.n_heads, d // self.n_heads)
+    q, k, v = jnp.split(rms_norm(x, norm_attn) @ qkv, 3, axis=-1)
+    attended = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+    x = x + attended.reshape(batch, length, d) @ attn_out
+    return x + jax.nn.relu(rms_norm(x, norm_mlp) @ mlp_in) @ mlp_out, None
 
 
-def forward(params: dict[str, Any], tokens: jax.Array, n_heads: int) -> jax.Array:
-  """Next-byte logits, shape ``tokens.shape + (VOCAB,)``."""
-  top = zerojax.gather({k: v for k, v in params.items() if k != "layers"})
-  # A one-hot matmul rather than a gather: its sharding follows the tokens' in
-  # every view (a gather under explicit sharding must be told its output's).
-  x = jax.nn.one_hot(tokens, VOCAB) @ top["embed"] + top["pos"][: tokens.shape[1]]
-  layer = jax.checkpoint(functools.partial(block, n_heads=n_heads), policy=zerojax.remat_policy)
-  x, _ = jax.lax.scan(lambda x, weights: (layer(x, weights), None), x, params["layers"])
-  return rms_norm(x, top["norm_out"]) @ top["embed"].T
+class Tables(nn.Module):
+  """The parameters outside the layers, returned whole: byte and position embeddings, final norm."""
+
+  d_model: int
+  seq_len: int
+
+  @nn.compact
+  def __call__(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    normal = nn.initializers.normal
+    return (
+      self.param("embed", normal(0.02), (VOCAB, self.d_model)),  # tied: also the output layer
+      self.param("pos", normal(0.01), (self.seq_len, self.d_model)),
+      self.param("norm_out", nn.initializers.ones, (self.d_model,)),
+    )
 
 
-def loss_fn(params: dict[str, Any], x: jax.Array, y: jax.Array, n_heads: int) -> jax.Array:
+class GPT(nn.Module):
+  """A decoder-only transformer over bytes; its layers run under ``nn.scan``.
+
+  Each module gathers its own parameters when it is called
+  (``zerojax.flax.gathered``), and the scanned block is also rematerialised
+  with ``zerojax.remat_policy`` (``zerojax.flax.remat_gathered``), so under
+  ZeRO-3 one layer is whole at a time, in the forward and the backward pass.
+  On full parameters (stage 0, evaluation) the gathers do nothing.
+  """
+
+  d_model: int
+  n_layers: int
+  n_heads: int
+  seq_len: int
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """Next-byte logits, shape ``tokens.shape + (VOCAB,)``."""
+    embed, pos, norm_out = zerojax.flax.gathered(Tables)(self.d_model, self.seq_len)()
+    # A one-hot matmul rather than a gather: its sharding follows the tokens' in
+    # every view (a gather under explicit sharding must be told its output's).
+    x = jax.nn.one_hot(tokens, VOCAB) @ embed + pos[: tokens.shape[1]]
+    layers = nn.scan(
+      zerojax.flax.remat_gathered(Block, prevent_cse=False),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=self.n_layers,
+    )
+    residual_std = 0.02 / math.sqrt(2 * self.n_layers)
+    x, _ = layers(self.d_model, self.n_heads, residual_std, name="layers")(x, None)
+    return rms_norm(x, norm_out) @ embed.T
+
+
+def make_model(preset: Preset, seq_len: int) -> GPT:
+  return GPT(preset.d_model, preset.n_layers, preset.n_heads, seq_len)
+
+
+def init_params(model: GPT, seed: int) -> dict[str, Any]:
+  """GPT-2 style initialisation, as host arrays (placing host arrays needs no compilation)."""
+  tokens = np.zeros((1, model.seq_len), np.int32)
+  return jax.device_get(jax.jit(model.init)(jax.random.key(seed), tokens)["params"])
+
+
+def loss_fn(params: dict[str, Any], x: jax.Array, y: jax.Array, model: GPT) -> jax.Array:
   """Mean next-byte cross-entropy, in nats."""
-  logits = forward(params, x, n_heads)
+  logits = model.apply({"params": params}, x)
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
@@ -308,11 +349,10 @@ def format_memory(memory: dict[str, dict[str, int]]) -> str:
   return "\n".join(lines)
 
 
-def sample(
-  params: Any, n_heads: int, seq_len: int, key: jax.Array, prompt: str = SAMPLE_PROMPT
-) -> str:
+def sample(params: Any, model: GPT, key: jax.Array, prompt: str = SAMPLE_PROMPT) -> str:
   """Continues ``prompt`` by ``SAMPLE_LENGTH`` bytes, sampled at ``SAMPLE_TEMPERATURE``."""
   start = len(prompt.encode())
+  seq_len = model.seq_len
   buffer = np.zeros(max(seq_len, start + SAMPLE_LENGTH), np.int32)
   buffer[:start] = np.frombuffer(prompt.encode(), np.uint8)
 
@@ -323,7 +363,7 @@ def sample(
       end = start + i
       first = jnp.maximum(end - seq_len, 0)
       window = jax.lax.dynamic_slice(buffer, (first,), (seq_len,))
-      logits = forward(params, window[None], n_heads)[0, end - first - 1]
+      logits = model.apply({"params": params}, window[None])[0, end - first - 1]
       key, subkey = jax.random.split(key)
       token = jax.random.categorical(subkey, logits / SAMPLE_TEMPERATURE)
       return buffer.at[end].set(token), key
@@ -381,11 +421,12 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     starts = rng.integers(0, len(train_data) - args.seq_len - 1, args.batch_size)
     return jax.device_put(windows(train_data, starts, args.seq_len), batch_sharding)
 
-  loss = functools.partial(loss_fn, n_heads=preset.n_heads)
+  model = make_model(preset, args.seq_len)
+  loss = functools.partial(loss_fn, model=model)
   optimizer = make_optimizer(args.lr, args.steps)
   setup = make_setup(args.stage, mesh, optimizer, loss)
   platform = jax.devices()[0].platform
-  initial = init_params(args.seed, preset, args.seq_len)
+  initial = init_params(model, args.seed)
   n_params = sum(x.size for x in jax.tree.leaves(initial))
   params = setup.place(initial)
   opt_state = setup.init(params)
@@ -440,7 +481,7 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     memory = {"stage 0": memory_stats(compiled0, params0, opt_state0), **memory}
   print(format_memory(memory))
 
-  text = sample(full_params, preset.n_heads, args.seq_len, jax.random.key(args.seed))
+  text = sample(full_params, model, jax.random.key(args.seed))
   print(f"sample:\n{text}")
 
   step_seconds = float(np.median(step_times))
