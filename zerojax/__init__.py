@@ -5,6 +5,7 @@ from zerojax._src.estimate import MemoryEstimate, estimate_memory, estimate_tree
 from zerojax._src.grad import value_and_grad
 from zerojax._src.hlo import Collective, count_collectives
 from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
+from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
 from zerojax._src.profile import StepProfile, profile
 from zerojax._src.zero import ZeroState, ZeroTransformation, zero1, zero2, zero3
 
@@ -13,9 +14,12 @@ __version__ = "0.1.0"
 __all__ = (
   "DEFAULT_MIN_SHARD_SIZE",
   "Collective",
+  "DynamicLossScale",
   "Layout",
   "LeafLayout",
+  "LossScaleState",
   "MemoryEstimate",
+  "Precision",
   "Shard",
   "StepProfile",
   "ZeroState",

@@ -5,18 +5,22 @@ the loss function as a ``Shard``: this device's piece plus the static facts
 ``gather`` needs (which dimension, how much padding). ``gather`` turns it into
 the full array:
 
-* stage 3: a tiled ``all_gather``; JAX transposes it into a ``psum_scatter``,
+* stage 3: a tiled ``all_gather`` whose backward pass is a ``psum_scatter``,
   so the gradient comes back reduce-scattered, one layer at a time in a scan;
 * stage 2: the parameter is already whole on every device, so the forward pass
   reads it as is, and a custom VJP reduce-scatters the cotangent into a
   shard-sized gradient "sink" during the backward pass.
+
+Both cast on the way: the weight to the compute dtype before the all-gather
+(so a bfloat16 policy moves half the bytes), the cotangent to the reduce dtype
+before the reduce-scatter, and the result to the master dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,13 +47,17 @@ def remat_policy(primitive, *_, **params) -> bool:
   name = primitive.name
   if name.startswith("all_gather") or name == "slice":
     return False
-  if name == "custom_vjp_call" and _only_casts(params["call_jaxpr"]):
+  if name == "custom_vjp_call" and _only_reads(params["call_jaxpr"]):
     return False
   return not (name == "name" and params.get("name") == GATHERED)
 
 
-def _only_casts(closed_jaxpr) -> bool:
-  return all(eqn.primitive.name in ("pvary", "pcast") for eqn in closed_jaxpr.jaxpr.eqns)
+#: What the forward passes of ``gather``'s custom VJPs consist of.
+_READS = frozenset({"pvary", "pcast", "convert_element_type", "all_gather"})
+
+
+def _only_reads(closed_jaxpr) -> bool:
+  return all(eqn.primitive.name in _READS for eqn in closed_jaxpr.jaxpr.eqns)
 
 
 @jax.tree_util.register_dataclass
@@ -69,6 +77,10 @@ class Shard:
     dim: the sharded dimension, counted from the end.
     size: the logical (unpadded) size of that dimension.
     axis_name: the data-parallel mesh axis.
+    compute_dtype: the dtype ``gather`` returns (the precision policy's
+      compute dtype); ``None`` keeps ``value``'s.
+    reduce_dtype: the dtype the gradient is reduce-scattered in; ``None``
+      keeps the gradient's.
   """
 
   value: jax.Array
@@ -76,6 +88,8 @@ class Shard:
   dim: int = dataclasses.field(metadata=dict(static=True))
   size: int = dataclasses.field(metadata=dict(static=True))
   axis_name: str = dataclasses.field(metadata=dict(static=True))
+  compute_dtype: Any = dataclasses.field(default=None, metadata=dict(static=True))
+  reduce_dtype: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __jax_array__(self):
     raise TypeError(
@@ -114,11 +128,46 @@ def gather(tree: Any) -> Any:
 def _gather(shard: Shard) -> jax.Array:
   if shard.sink is None:
     axis = shard.value.ndim + shard.dim
-    full = jax.lax.all_gather(shard.value, shard.axis_name, axis=axis, tiled=True)
+    compute = shard.compute_dtype or shard.value.dtype
+    dtypes = _Dtypes(compute, shard.reduce_dtype, shard.value.dtype)
+    full = _all_gather(shard.value, axis, shard.axis_name, dtypes)
     full = jax.lax.slice_in_dim(full, 0, shard.size, axis=axis)
   else:
-    full = _read_whole(shard.value, shard.sink, shard.dim, shard.axis_name)
+    # Stage 2 stores the replicated copy in the compute dtype already.
+    dtypes = _Dtypes(shard.value.dtype, shard.reduce_dtype, shard.sink.dtype)
+    full = _read_whole(shard.value, shard.sink, shard.dim, shard.axis_name, dtypes)
   return checkpoint_name(full, GATHERED)
+
+
+class _Dtypes(NamedTuple):
+  """The casts of one gather: forward to ``compute``; backward to ``reduce``, then ``grad``."""
+
+  compute: Any
+  reduce: Any
+  grad: Any
+
+  def for_reduction(self, cotangent: jax.Array) -> jax.Array:
+    return cotangent.astype(self.reduce or cotangent.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _all_gather(value, axis, axis_name, dtypes):
+  """A tiled all-gather in the compute dtype whose backward pass reduce-scatters."""
+  return jax.lax.all_gather(value.astype(dtypes.compute), axis_name, axis=axis, tiled=True)
+
+
+def _all_gather_fwd(value, axis, axis_name, dtypes):
+  return _all_gather(value, axis, axis_name, dtypes), None
+
+
+def _all_gather_bwd(axis, axis_name, dtypes, residuals, cotangent):
+  del residuals
+  cotangent = dtypes.for_reduction(cotangent)
+  grad = jax.lax.psum_scatter(cotangent, axis_name, scatter_dimension=axis, tiled=True)
+  return (grad.astype(dtypes.grad),)
+
+
+_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
 def scatter(x: jax.Array, dim: int, axis_name: str) -> jax.Array:
@@ -132,22 +181,25 @@ def scatter(x: jax.Array, dim: int, axis_name: str) -> jax.Array:
   return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _read_whole(value, sink, dim, axis_name):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _read_whole(value, sink, dim, axis_name, dtypes):
   """Reads a replicated parameter; its gradient goes, reduce-scattered, to ``sink``."""
-  del sink, dim
+  del sink, dim, dtypes
   # Varying, so that the cotangent reaching the backward pass is this device's
   # own, not one JAX has already all-reduced.
   return jax.lax.pcast(value, axis_name, to="varying")
 
 
-def _read_whole_fwd(value, sink, dim, axis_name):
-  return _read_whole(value, sink, dim, axis_name), None
+def _read_whole_fwd(value, sink, dim, axis_name, dtypes):
+  return _read_whole(value, sink, dim, axis_name, dtypes), None
 
 
-def _read_whole_bwd(dim, axis_name, residuals, cotangent):
+def _read_whole_bwd(dim, axis_name, dtypes, residuals, cotangent):
   del residuals
-  return jnp.zeros(cotangent.shape, cotangent.dtype), scatter(cotangent, dim, axis_name)
+  # The stored replicated copy is already in the compute dtype (the master copy
+  # lives elsewhere), so the cotangent's shape and dtype are the value's.
+  grad = scatter(dtypes.for_reduction(cotangent), dim, axis_name)
+  return jnp.zeros(cotangent.shape, cotangent.dtype), grad.astype(dtypes.grad)
 
 
 _read_whole.defvjp(_read_whole_fwd, _read_whole_bwd)

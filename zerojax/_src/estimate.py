@@ -9,6 +9,8 @@ import numpy as np
 import optax
 
 from zerojax._src import layout as layout_lib
+from zerojax._src import precision as precision_lib
+from zerojax._src import zero as zero_lib
 
 STAGES = (0, 1, 2, 3)
 
@@ -42,7 +44,7 @@ def _check(num_devices: int, stage: int) -> None:
 
 def _share(stage: int, split_from: int, whole: float, split: float, num_devices: int) -> float:
   """Bytes per device: ``split / N`` from stage ``split_from`` on, else ``whole``."""
-  return split / num_devices if stage >= split_from else whole
+  return split / num_devices if stage >= split_from else float(whole)
 
 
 def _estimate(params, grads, state) -> MemoryEstimate:
@@ -97,21 +99,25 @@ def estimate_tree_memory(
   num_devices: int,
   stage: int,
   min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
+  precision: precision_lib.Precision | str | None = None,
 ) -> MemoryEstimate:
   """Per-device bytes of a real parameter tree and optax optimizer at a ZeRO stage.
 
-  Nothing is allocated: the optimizer's state is counted from
-  ``jax.eval_shape(optimizer.init, params)``, and each leaf is split (or
-  padded, or kept replicated) exactly as zerojax's layout plan would split it,
-  so the estimate matches what ``tx.shard`` and ``tx.init`` place. Gradients
-  are counted in the parameters' dtypes.
+  Nothing is allocated: the trees are planned by the same code that
+  ``zerojax.zero1`` etc. use, so the estimate matches what ``tx.shard`` and
+  ``tx.init`` place, byte for byte: leaves split, padded or kept replicated as
+  the layout plan has them, parameters in their stored dtype, the optimizer
+  state from ``jax.eval_shape(optimizer.init, ...)`` plus the master copy that
+  stages 1 and 2 keep under a mixed-precision policy, and gradients in the
+  master dtype (as ``zerojax.value_and_grad`` returns them).
 
   Args:
     params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` s.
     optimizer: the optax optimizer that zerojax would wrap.
     num_devices: N, the size of the data-parallel axis.
-    stage: 0, 1, 2 or 3.
+    stage: 0, 1, 2 or 3 (0: plain data parallelism, the same policy).
     min_shard_size: as for ``zerojax.zero1`` etc.
+    precision: as for ``zerojax.zero1`` etc.
 
   Returns:
     A ``MemoryEstimate`` in bytes.
@@ -120,20 +126,28 @@ def estimate_tree_memory(
     >>> import jax, jax.numpy as jnp, optax, zerojax
     >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
     >>> zerojax.estimate_tree_memory(params, optax.adam(1e-3), num_devices=8, stage=3).total
-    2097156.0
+    2097164.0
+    >>> zerojax.estimate_tree_memory(
+    ...   params, optax.adam(1e-3), num_devices=8, stage=1, precision="bf16"
+    ... ).params
+    2097152.0
   """
   _check(num_devices, stage)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-  plan = lambda tree, like=None: layout_lib.plan(
-    tree, axis_name="data", num_shards=num_devices, min_shard_size=min_shard_size, like=like
-  )
-  sharded = plan(abstract)
-  state = plan(jax.eval_shape(optimizer.init, abstract), like=sharded)
+  policy = precision_lib.resolve(precision)
+  mesh = jax.sharding.AbstractMesh((num_devices,), ("data",))
+  planner = zero_lib.Planner(optimizer, max(stage, 1), mesh, "data", None, min_shard_size, policy)
+  plans = planner.plan(abstract)
+  state = [plans.state] + ([plans.master] if plans.master is not None else [])
+  if stage:
+    bookkeeping = jax.eval_shape(lambda: zero_lib.bookkeeping(policy))
+    state.append(layout_lib.plan(bookkeeping, axis_name="data", num_shards=num_devices))
+  state_bytes = [_bytes(layout, num_devices) for layout in state]
   share = lambda split_from, counts: _share(stage, split_from, *counts, num_devices)
   return _estimate(
-    share(_PARAMS_SPLIT_FROM, _bytes(sharded, num_devices)),
-    share(_GRADS_SPLIT_FROM, _bytes(sharded, num_devices)),
-    share(_STATE_SPLIT_FROM, _bytes(state, num_devices)),
+    share(_PARAMS_SPLIT_FROM, _bytes(plans.params, num_devices)),
+    share(_GRADS_SPLIT_FROM, _bytes(plans.sharded, num_devices)),
+    share(_STATE_SPLIT_FROM, tuple(map(sum, zip(*state_bytes, strict=True)))),
   )
 
 

@@ -18,13 +18,19 @@ from zerojax._src.zero import ZeroTransformation
 
 
 def value_and_grad(
-  loss_fn: Callable[..., Any], tx: ZeroTransformation, *, has_aux: bool = False
+  loss_fn: Callable[..., Any],
+  tx: ZeroTransformation,
+  *,
+  has_aux: bool = False,
+  microbatches: int = 1,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, with the loss computed data-parallel under ``jax.shard_map``.
 
-  The returned ``f(params, *batch)`` splits every leaf of every ``batch``
-  argument along its leading dimension over ``tx.axis_name`` and calls
-  ``loss_fn(params, *batch)`` once per device, on that device's slice. Inside,
+  The returned ``f(params, *batch, opt_state=None)`` splits every leaf of
+  every ``batch`` argument along its leading dimension over ``tx.axis_name``
+  and calls ``loss_fn(params, *batch)`` once per device, on that device's
+  slice (``microbatches`` times per device, on successive slices of it, when
+  accumulating). Inside,
   parameters that the layout shards arrive as ``zerojax.Shard`` s: open them
   with ``zerojax.gather``, one layer at a time in a scan. The gradients come
   back in the stage's layout:
@@ -38,18 +44,35 @@ def value_and_grad(
   Gradients are never all-reduced to full size, except those of the tiny leaves
   the layout replicates. Parameters must be placed with ``tx.shard``.
 
+  With ``microbatches=k`` the gradients are summed over k micro-batches inside
+  the step, with ZeRO's semantics: stage 1 sums full local gradients and
+  reduce-scatters once at the end; stages 2 and 3 reduce-scatter every
+  micro-batch into a shard-sized accumulator, so accumulating costs Ψ/N, not
+  Ψ. The result equals one step on the whole batch.
+
+  Under ``tx.precision``, ``loss_fn`` sees parameters in the compute dtype,
+  gradients are reduce-scattered in the reduce dtype and returned in the
+  master dtype; with a loss scale, the loss is multiplied by the scale in
+  ``opt_state`` before differentiating and the gradients divided by it (so
+  what comes back is the true gradient, or non-finite on overflow, which
+  ``tx.update`` then skips).
+
   Args:
     loss_fn: ``loss_fn(params, *batch)`` returning a scalar loss (the mean over
       its batch slice), or ``(loss, aux)`` with ``has_aux=True``.
     tx: the ``ZeroTransformation`` that will apply the gradients.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    microbatches: how many micro-batches each device's slice of the batch is
+      split into (gradient accumulation within the step).
 
   Returns:
-    ``f(params, *batch)`` returning ``(loss, grads)``, or ``((loss, aux),
-    grads)``. ``loss`` is the mean over devices, which equals the loss on the
-    whole batch. ``aux`` holds every device's ``aux``, stacked along a new
-    leading axis of size ``tx.num_shards`` (reduce it as your metric needs,
-    e.g. ``jax.tree.map(jnp.mean, aux)``).
+    ``f(params, *batch, opt_state=None)`` returning ``(loss, grads)``, or
+    ``((loss, aux), grads)``. ``opt_state`` (the ``ZeroState``) is needed only
+    when the precision policy scales the loss. ``loss`` is the mean over
+    devices and micro-batches, which equals the loss on the whole batch.
+    ``aux`` holds the ``aux`` of every call of ``loss_fn``, stacked along a new
+    leading axis of size ``tx.num_shards * microbatches``, in batch order
+    (reduce it as your metric needs, e.g. ``jax.tree.map(jnp.mean, aux)``).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zerojax
@@ -69,27 +92,35 @@ def value_and_grad(
       f"value_and_grad needs the zerojax transformation, got {type(tx).__name__}: "
       "pass tx = zerojax.zero1/zero2/zero3(...)."
     )
+  if not isinstance(microbatches, int) or microbatches < 1:
+    raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
   axis = tx.axis_name
 
-  def value_and_grad_fn(params, *batch):
+  def value_and_grad_fn(params, *batch, opt_state=None):
     plans = tx._planner.plans(params)
     _check_params(params, plans.params, tx)
-    _check_batch(batch, tx)
+    _check_batch(batch, tx, microbatches)
+    scale = _loss_scale(tx, opt_state)
     sharded = plans.sharded
     param_specs = plans.params.map(lambda leaf: _data_only(leaf, axis))
     grad_specs = sharded.map(lambda leaf: _data_only(leaf, axis))
 
-    def per_device(params, *batch):
+    def per_device(params, scale, *batch):
       differentiable = sharded.map(lambda leaf, x: _differentiable(leaf, x, tx), params)
 
-      def local_loss(differentiable):
+      def local_loss(differentiable, *chunk):
         tree = sharded.map(lambda leaf, p, d: _for_loss(leaf, p, d, tx), params, differentiable)
-        out = loss_fn(tree, *batch)
-        return out if has_aux else (out, None)
+        loss, aux = loss_fn(tree, *chunk) if has_aux else (loss_fn(tree, *chunk), None)
+        scaled = loss if scale is None else loss.astype(jnp.float32) * scale
+        return scaled, (loss, aux)
 
-      (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(differentiable)
-      grads = sharded.map(lambda leaf, g: _reduce(leaf, g, tx), grads)
-      aux = jax.tree.map(lambda a: jnp.asarray(a)[None], aux)
+      def micro_step(chunk):
+        grads, (loss, aux) = jax.grad(local_loss, has_aux=True)(differentiable, *chunk)
+        return loss, aux, sharded.map(lambda leaf, g: _accumulable(leaf, g, tx), grads)
+
+      loss, aux, grads = _accumulate(micro_step, batch, microbatches, axis)
+      divisor = tx.num_shards * microbatches
+      grads = sharded.map(lambda leaf, g: _reduce(leaf, g, tx, divisor, scale), grads)
       return jax.lax.pmean(loss, axis), aux, grads
 
     batch_specs = tuple(jax.tree.map(lambda _: P(axis), b) for b in batch)
@@ -100,13 +131,50 @@ def value_and_grad(
     loss, aux, grads = jax.shard_map(
       per_device,
       mesh=tx.mesh,
-      in_specs=(param_specs, *(jax.tree.map(lambda _: P(axis), b) for b in batch)),
+      in_specs=(param_specs, P(), *batch_specs),
       out_specs=(P(), P(axis), grad_specs),
       axis_names={axis},
-    )(params, *batch)
+    )(params, scale, *batch)
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
   return value_and_grad_fn
+
+
+def _accumulate(micro_step, batch, microbatches, axis):
+  """Runs ``micro_step`` on each of ``microbatches`` slices of ``batch``, summing gradients.
+
+  Returns the mean loss, every slice's aux stacked in batch order, and the
+  summed gradients, in the shapes ``micro_step`` gives them: so stages 2 and 3
+  accumulate reduce-scattered shards, and stage 1 the full local gradient.
+  """
+  if microbatches == 1:
+    loss, aux, grads = micro_step(batch)
+    return loss, jax.tree.map(lambda a: jnp.asarray(a)[None], aux), grads
+  chunks = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+  first = jax.tree.map(lambda x: x[0], chunks)
+  zeros = jax.tree.map(
+    lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axis, to="varying"),
+    jax.eval_shape(micro_step, first)[2],
+  )
+
+  def body(total, chunk):
+    loss, aux, grads = micro_step(chunk)
+    return jax.tree.map(jnp.add, total, grads), (loss, aux)
+
+  grads, (losses, aux) = jax.lax.scan(body, zeros, chunks)
+  return jnp.mean(losses), aux, grads
+
+
+def _loss_scale(tx: ZeroTransformation, opt_state: Any) -> jax.Array | None:
+  """The current loss scale, from the optimizer state, if the policy scales the loss."""
+  if tx.precision.loss_scale is None:
+    return None
+  if opt_state is None:
+    raise ValueError(
+      "tx's precision policy scales the loss, and the scale lives in the optimizer "
+      "state: call value_and_grad(loss_fn, tx)(params, *batch, opt_state=opt_state)."
+    )
+  return opt_state.loss_scale.scale
 
 
 def _reshard(tree, specs, mesh):
@@ -135,40 +203,58 @@ def _differentiable(leaf, x, tx):
   if tx.stage == 2:
     shape = list(leaf.stored_shape)
     shape[leaf.dim] //= tx.num_shards
-    return jax.lax.pcast(np.zeros(shape, x.dtype), tx.axis_name, to="varying")
+    return jax.lax.pcast(np.zeros(shape, leaf.dtype), tx.axis_name, to="varying")
   return x
 
 
 def _for_loss(leaf, param, differentiable, tx):
-  """What ``loss_fn`` sees for one leaf."""
+  """What ``loss_fn`` sees for one leaf: an array in the compute dtype, or a ``Shard``."""
+  compute = tx.precision.compute_dtype(leaf.dtype)
   if leaf.dim is None or tx.stage == 1:
-    return differentiable
-  size = leaf.shape[leaf.dim]
-  if tx.stage == 2:
-    return collectives.Shard(param, differentiable, leaf.dim, size, tx.axis_name)
-  return collectives.Shard(differentiable, None, leaf.dim, size, tx.axis_name)
+    return differentiable.astype(compute)
+  reduce = tx.precision.reduce_dtype(leaf.dtype)
+  value, sink = (param, differentiable) if tx.stage == 2 else (differentiable, None)
+  return collectives.Shard(
+    value, sink, leaf.dim, leaf.shape[leaf.dim], tx.axis_name, compute, reduce
+  )
 
 
-def _reduce(leaf, grad, tx):
-  """Finishes one leaf's gradient: a sum over devices, then the mean."""
+def _accumulable(leaf, grad, tx):
+  """One micro-batch's gradient, in the dtype it is summed over micro-batches in.
+
+  A gradient still to be reduced across devices (stage 1, replicated leaves)
+  is local and full-size: it is summed in the reduce dtype. Stages 2 and 3
+  gradients arrive reduce-scattered, in the master dtype.
+  """
+  if leaf.dim is None or tx.stage == 1:
+    return grad.astype(tx.precision.reduce_dtype(leaf.dtype))
+  return grad
+
+
+def _reduce(leaf, grad, tx, divisor, scale):
+  """Finishes one leaf's gradient: a sum over devices, then the mean, unscaled."""
   if leaf.dim is None:
     grad = jax.lax.psum(grad, tx.axis_name)
   elif tx.stage == 1:
     grad = collectives.scatter(grad, leaf.dim, tx.axis_name)
-  return grad / tx.num_shards
+  grad = grad.astype(leaf.dtype) / divisor
+  return grad if scale is None else grad / scale
 
 
-def _check_batch(batch, tx) -> None:
+def _check_batch(batch, tx, microbatches) -> None:
   n = tx.num_shards
   for index, argument in enumerate(batch):
     for path, x in jax.tree_util.tree_flatten_with_path(argument)[0]:
       shape = np.shape(x)
-      if not shape or shape[0] % n:
+      if not shape or shape[0] % (n * microbatches):
+        split = f"{n} devices of mesh axis {tx.axis_name!r}"
+        if microbatches > 1:
+          split += f" times {microbatches} micro-batches"
         raise ValueError(
           f"batch argument {index}{jax.tree_util.keystr(path)} has shape {shape}: "
-          f"its leading dimension must divide by the {n} devices of mesh axis "
-          f"{tx.axis_name!r}. Use a batch size that is a multiple of {n}; pass "
-          "per-step constants by closing over them instead of as batch arguments."
+          f"its leading dimension must divide by the {split}. Use a batch size that "
+          f"is a multiple of {n * microbatches}; pass per-step constants by closing "
+          "over them instead of as batch arguments."
         )
 
 

@@ -130,6 +130,11 @@ class Layout(NamedTuple):
   def unpad(self, tree: Any) -> Any:
     return self.map(LeafLayout.unpad, tree)
 
+  def with_dtypes(self, dtype_of: Callable[[np.dtype], np.dtype]) -> Layout:
+    """This layout with each leaf's dtype replaced by ``dtype_of(dtype)``."""
+    leaves = tuple(leaf._replace(dtype=np.dtype(dtype_of(leaf.dtype))) for leaf in self.leaves)
+    return self._replace(leaves=leaves)
+
   def specs(self) -> Any:
     """The stored arrays' ``PartitionSpec`` s."""
     return self.map(lambda leaf: leaf.partition_spec)

@@ -6,12 +6,15 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
+from zerojax._src import precision as precision_lib
 
 
 class ZeroState(NamedTuple):
@@ -21,9 +24,24 @@ class ZeroState(NamedTuple):
     inner_state: the wrapped optimizer's state, every float leaf big enough to
       matter sharded over the data axis (and zero-padded along the sharded
       dimension where that dimension does not divide by the number of devices).
+    master: stages 1 and 2 under a precision policy whose compute dtype
+      differs from its master dtype: the master parameters, sharded like the
+      gradients (the parameters themselves are the replicated compute-dtype
+      copy). ``None`` otherwise.
+    loss_scale: the ``zerojax.LossScaleState`` when the policy scales the loss,
+      else ``None``.
+    skipped_steps: how many updates were skipped because their gradients were
+      not finite (int32 scalar).
+    pre_clip_grad_norm: the global L2 norm of the gradients the last
+      ``update`` received, before the wrapped optimizer (and any clipping in
+      it) saw them (float32 scalar).
   """
 
   inner_state: optax.OptState
+  master: optax.Params | None = None
+  loss_scale: precision_lib.LossScaleState | None = None
+  skipped_steps: jax.Array | None = None
+  pre_clip_grad_norm: jax.Array | None = None
 
 
 class ZeroTransformation(optax.GradientTransformationExtraArgs):
@@ -44,17 +62,20 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     mesh: the ``jax.sharding.Mesh``.
     axis_name: the data-parallel mesh axis that everything is sharded over.
     inner: the wrapped transformation.
+    precision: the ``zerojax.Precision`` policy.
   """
 
   stage: int
   mesh: Mesh
   axis_name: str
   inner: optax.GradientTransformationExtraArgs
+  precision: precision_lib.Precision
 
-  def __new__(cls, inner, *, stage, mesh, axis_name, layout, min_shard_size):
-    planner = _Planner(inner, stage, mesh, axis_name, layout, min_shard_size)
+  def __new__(cls, inner, *, stage, mesh, axis_name, layout, min_shard_size, precision):
+    planner = Planner(inner, stage, mesh, axis_name, layout, min_shard_size, precision)
     self = super().__new__(cls, planner.init, planner.update)
     self.stage, self.mesh, self.axis_name, self.inner = stage, mesh, axis_name, planner.inner
+    self.precision = precision
     self._planner = planner
     return self
 
@@ -68,20 +89,34 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
 
     Stages 1 and 2 replicate them over the data axis; stage 3 keeps 1/N of
     each (zero-padding leaves whose sharded dimension does not divide by N).
-    Inside ``jax.jit`` this is a sharding constraint.
+    Floating-point leaves are cast to the stored dtype: the precision policy's
+    master dtype in stage 3; in stages 1 and 2 its compute dtype (so call
+    ``init`` on the full-precision parameters first). Inside ``jax.jit`` this
+    is a sharding constraint.
     """
     plans = self._planner.plans(params)
     params = plans.to_logical(params)
     if mesh_lib.is_traced(params):
-      return mesh_lib.global_view(self.mesh, plans.params.pad, plans.params.specs())(params)
-    return plans.params.map(
-      lambda leaf, x: jax.device_put(leaf.pad(x), NamedSharding(self.mesh, leaf.partition_spec)),
-      params,
-    )
+      store = functools.partial(plans.params.map, _stored)
+      return mesh_lib.global_view(self.mesh, store, plans.params.specs())(params)
+    place = lambda leaf, x: jax.device_put(x, NamedSharding(self.mesh, leaf.partition_spec))
+    return plans.params.map(lambda leaf, x: place(leaf, _stored(leaf, x)), params)
 
   def gather(self, params: optax.Params) -> optax.Params:
-    """Full, unpadded parameters, replicated over the data axis (for evaluation and export)."""
+    """Full, unpadded parameters, replicated over the data axis (for evaluation and export).
+
+    Pass ``tx.master_params(params, state)`` instead of ``params`` for the
+    full-precision copy.
+    """
     return self._planner.gather(params)
+
+  def master_params(self, params: optax.Params, state: ZeroState) -> optax.Params:
+    """The master (full-precision) parameters, as stored: sharded in every stage.
+
+    They are ``params`` themselves unless stages 1 or 2 keep a separate master
+    copy in ``state`` (a precision policy with a lower compute dtype).
+    """
+    return params if state.master is None else state.master
 
   def unpad(self, params: optax.Params) -> optax.Params:
     """Stored parameters with their padding sliced off, still sharded (inside ``jax.jit``).
@@ -102,23 +137,47 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
 
   def state_shardings(self, params: optax.Params) -> ZeroState:
     """The ``NamedSharding`` of every optimizer-state leaf that ``init(params)`` returns."""
-    return ZeroState(self._planner.plans(params).state.shardings(self.mesh))
+    specs = self._planner.plans(params).state_specs()
+    return jax.tree.map(
+      lambda spec: NamedSharding(self.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+    )
 
   def layout(self, params: optax.Params) -> layout_lib.Layout:
     """The plan: how each leaf of ``params`` is split (see ``zerojax.Layout``)."""
     return self._planner.plans(params).sharded
 
 
-class _Plans(NamedTuple):
+class Plans(NamedTuple):
   """Every layout that one parameter tree implies."""
 
-  sharded: layout_lib.Layout  # gradients, and what optimizer state mirrors
+  sharded: layout_lib.Layout  # gradients and master params, what optimizer state mirrors
   params: layout_lib.Layout  # stored parameters: ``sharded`` in stage 3, else replicated
   state: layout_lib.Layout  # inner optimizer state
+  master: layout_lib.Layout | None  # a separate master copy (stages 1-2, lower compute dtype)
+  loss_scaled: bool
 
   def to_logical(self, tree: Any) -> Any:
     """Unpads leaves given in stored shape; leaves already in logical shape pass."""
     return self.sharded.map(_to_logical, tree)
+
+  def to_master(self, tree: Any) -> Any:
+    """Logical shape, master dtype."""
+    return self.sharded.map(lambda leaf, x: _to_logical(leaf, x).astype(leaf.dtype), tree)
+
+  def state_specs(self) -> ZeroState:
+    """The ``PartitionSpec`` of every leaf of the ``ZeroState``."""
+    return ZeroState(
+      inner_state=self.state.specs(),
+      master=None if self.master is None else self.master.specs(),
+      loss_scale=precision_lib.LossScaleState(P(), P(), P()) if self.loss_scaled else None,
+      skipped_steps=P(),
+      pre_clip_grad_norm=P(),
+    )
+
+
+def _stored(leaf: layout_lib.LeafLayout, x: Any) -> Any:
+  """A leaf cast to its stored dtype and padded (host arrays stay on the host)."""
+  return leaf.pad(x if np.dtype(x.dtype) == leaf.dtype else x.astype(leaf.dtype))
 
 
 def _to_logical(leaf: layout_lib.LeafLayout, x: Any) -> Any:
@@ -133,34 +192,36 @@ def _to_logical(leaf: layout_lib.LeafLayout, x: Any) -> Any:
   )
 
 
-class _Planner:
+class Planner:
   """Holds the configuration and the layouts of the parameter trees it has seen."""
 
-  def __init__(self, inner, stage, mesh, axis_name, layout, min_shard_size):
+  def __init__(self, inner, stage, mesh, axis_name, layout, min_shard_size, policy):
     self.inner = optax.with_extra_args_support(inner)
     self.stage = stage
     self.mesh = mesh
     self.axis_name = axis_name
     self.rule = layout
     self.min_shard_size = min_shard_size
+    self.policy = policy
     # Keyed by the logical and the stored signature of each tree seen, so that
     # stored (padded) parameters find the plan made from their full shapes.
-    self._known: dict[Any, _Plans] = {}
+    self._known: dict[Any, Plans] = {}
     self._update = jax.jit(self._update_impl, static_argnames="plans")
     self._init = jax.jit(self._init_impl, static_argnames="plans")
     self._gather = jax.jit(self._gather_impl, static_argnames="plans")
 
-  def plans(self, tree: Any) -> _Plans:
+  def plans(self, tree: Any) -> Plans:
     key = layout_lib.signature(tree)
     if key not in self._known:
-      plans = self._plan(tree)
+      plans = self.plan(tree)
       for stored in (False, True):
         self._known.setdefault(plans.sharded.key(stored), plans)
         self._known.setdefault(plans.params.key(stored), plans)
       self._known[key] = plans
     return self._known[key]
 
-  def _plan(self, params: Any) -> _Plans:
+  def plan(self, params: Any) -> Plans:
+    """Plans every layout that the parameter tree ``params`` implies."""
     num_shards = self.mesh.shape[self.axis_name]
     plan = functools.partial(
       layout_lib.plan,
@@ -168,11 +229,15 @@ class _Planner:
       num_shards=num_shards,
       min_shard_size=self.min_shard_size,
     )
-    sharded = plan(params, rule=self.rule)
-    stored = sharded if self.stage == 3 else layout_lib.replicated(sharded, self.axis_name)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-    state = plan(jax.eval_shape(self.inner.init, abstract), like=sharded)
-    return _Plans(sharded, stored, state)
+    sharded = plan(params, rule=self.rule).with_dtypes(self.policy.master_dtype)
+    if self.stage == 3:
+      stored, master = sharded, None
+    else:
+      stored = layout_lib.replicated(sharded, self.axis_name).with_dtypes(self.policy.compute_dtype)
+      master = sharded if stored.key(False) != sharded.key(False) else None
+    logical = sharded.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    state = plan(jax.eval_shape(self.inner.init, logical), like=sharded)
+    return Plans(sharded, stored, state, master, self.policy.loss_scale is not None)
 
   def gather(self, params: optax.Params) -> optax.Params:
     with mesh_lib.entered(self.mesh, params):
@@ -183,14 +248,22 @@ class _Planner:
     return mesh_lib.global_view(self.mesh, plans.to_logical, specs)(params)
 
   def init(self, params: optax.Params) -> ZeroState:
+    plans = self.plans(params)
+    if plans.master is not None:
+      _check_full_precision(params, plans.sharded)
     with mesh_lib.entered(self.mesh, params):
-      return self._init(params, plans=self.plans(params))
+      return self._init(params, plans=plans)
 
   def _init_impl(self, params, plans):
     def init(params):
-      return ZeroState(plans.state.pad(self.inner.init(plans.to_logical(params))))
+      master = plans.to_master(params)
+      return ZeroState(
+        inner_state=plans.state.pad(self.inner.init(master)),
+        master=None if plans.master is None else plans.master.pad(master),
+        **bookkeeping(self.policy),
+      )
 
-    return mesh_lib.global_view(self.mesh, init, ZeroState(plans.state.specs()))(params)
+    return mesh_lib.global_view(self.mesh, init, plans.state_specs())(params)
 
   def update(self, updates, state, params=None, **extra_args):
     plans = self.plans(updates if params is None else params)
@@ -200,6 +273,18 @@ class _Planner:
         "that this transformation's init returned."
       )
     _check_shapes(state.inner_state, plans.state, "optimizer state")
+    if (state.master is None) != (plans.master is None):
+      raise ValueError(
+        "the optimizer state was made for another precision policy (it "
+        f"{'lacks' if state.master is None else 'has'} master parameters): pass "
+        "the state that this transformation's init returned."
+      )
+    if plans.master is not None and params is None:
+      raise ValueError(
+        "this transformation keeps master parameters apart from the (lower-"
+        "precision) parameters, so update needs them: call "
+        "tx.update(grads, state, params)."
+      )
     with mesh_lib.entered(self.mesh, updates, state, params, extra_args):
       return self._update(updates, state, params, extra_args, plans=plans)
 
@@ -207,17 +292,90 @@ class _Planner:
     # Logical shapes sharded like the stored ones: unevenly where padded, which
     # jit allows for intermediates.
     logical = plans.sharded.specs()
+    policy = self.policy
 
-    def update(updates, inner_state, params):
-      updates = mesh_lib.constrain(self.mesh, plans.to_logical(updates), logical)
-      if params is not None:
-        params = mesh_lib.constrain(self.mesh, plans.to_logical(params), logical)
-      inner_state = plans.state.unpad(inner_state)
-      updates, inner_state = self.inner.update(updates, inner_state, params, **extra_args)
-      return plans.params.pad(updates), ZeroState(plans.state.pad(inner_state))
+    def update(grads, state, params):
+      grads = mesh_lib.constrain(self.mesh, plans.to_master(grads), logical)
+      if plans.master is not None:
+        master = plans.master.unpad(state.master)
+      elif params is not None:
+        master = plans.to_master(params)
+      else:
+        master = None
+      if master is not None:
+        master = mesh_lib.constrain(self.mesh, master, logical)
+      inner_state = plans.state.unpad(state.inner_state)
+      new_updates, new_inner = self.inner.update(grads, inner_state, master, **extra_args)
+      finite = precision_lib.all_finite(grads)
+      keep = finite if policy.skip_nonfinite else jnp.asarray(True)
+      new_inner = precision_lib.select(keep, new_inner, inner_state)
+      new_master = None
+      if plans.master is not None:
+        new_master = precision_lib.select(keep, optax.apply_updates(master, new_updates), master)
+        new_updates = _difference(self.mesh, plans, new_master, params)
+      new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
+      new_state = ZeroState(
+        inner_state=plans.state.pad(new_inner),
+        master=None if new_master is None else plans.master.pad(new_master),
+        loss_scale=precision_lib.adjust_loss_scale(policy, state.loss_scale, finite),
+        skipped_steps=state.skipped_steps + (~keep).astype(jnp.int32),
+        pre_clip_grad_norm=optax.tree.norm(grads).astype(jnp.float32),
+      )
+      return plans.params.pad(new_updates), new_state
 
-    out_specs = (plans.params.specs(), ZeroState(plans.state.specs()))
-    return mesh_lib.global_view(self.mesh, update, out_specs)(updates, state.inner_state, params)
+    out_specs = (plans.params.specs(), plans.state_specs())
+    return mesh_lib.global_view(self.mesh, update, out_specs)(updates, state, params)
+
+
+def bookkeeping(policy: precision_lib.Precision) -> dict[str, Any]:
+  """The ``ZeroState`` fields of a fresh state besides the optimizer's and the master copy."""
+  return dict(
+    loss_scale=precision_lib.init_loss_scale(policy),
+    skipped_steps=jnp.zeros((), jnp.int32),
+    pre_clip_grad_norm=jnp.zeros((), jnp.float32),
+  )
+
+
+def _unless(keep: jax.Array, update: jax.Array) -> jax.Array:
+  """``update``, or, for a skipped step, one that leaves every parameter bit-identical.
+
+  That is -0.0 for floats: ``x + -0.0 == x`` for every ``x``, -0.0 included
+  (``-0.0 + 0.0`` would be +0.0).
+  """
+  no_op = -0.0 if jnp.issubdtype(update.dtype, jnp.floating) else 0
+  return jnp.where(keep, update, jnp.asarray(no_op, update.dtype))
+
+
+def _difference(mesh: Mesh, plans: Plans, new_master: Any, params: Any) -> Any:
+  """Updates that take the compute-dtype ``params`` to ``new_master`` rounded to the compute dtype.
+
+  They are computed in the master dtype, where the difference of two
+  compute-dtype values is exact, so that ``optax.apply_updates`` (which adds in
+  the wider dtype, then casts back) lands on the rounded master exactly. The
+  rounding comes before the replication, so the all-gather moves compute-dtype
+  bytes.
+  """
+  rounded = plans.params.map(lambda leaf, x: x.astype(leaf.dtype), new_master)
+  rounded = mesh_lib.constrain(mesh, rounded, plans.params.specs())
+  return jax.tree.map(
+    lambda new, old, wide: new.astype(wide.dtype) - old.astype(wide.dtype),
+    rounded,
+    params,
+    new_master,
+  )
+
+
+def _check_full_precision(params: Any, sharded: layout_lib.Layout) -> None:
+  for (path, x), leaf in zip(
+    jax.tree_util.tree_flatten_with_path(params)[0], sharded.leaves, strict=True
+  ):
+    if np.dtype(x.dtype) != leaf.dtype:
+      raise ValueError(
+        f"init makes the {leaf.dtype} master copy of the parameters, but "
+        f"params{jax.tree_util.keystr(path)} is {np.dtype(x.dtype)}: call "
+        "tx.init(params) on the full-precision parameters, before tx.shard(params) "
+        f"casts them (or cast them with jax.tree.map(lambda p: p.astype('{leaf.dtype}'), params))."
+      )
 
 
 def _check_shapes(tree: Any, layout: layout_lib.Layout, what: str) -> None:
@@ -237,7 +395,9 @@ def _check_shapes(tree: Any, layout: layout_lib.Layout, what: str) -> None:
       )
 
 
-def _zero(stage: int, inner, mesh, axis_name, layout, min_shard_size) -> ZeroTransformation:
+def _zero(
+  stage: int, inner, mesh, axis_name, layout, min_shard_size, precision
+) -> ZeroTransformation:
   if not hasattr(inner, "init") or not hasattr(inner, "update"):
     raise ValueError(
       f"zero{stage} wraps an optax.GradientTransformation, got {type(inner).__name__}; "
@@ -250,6 +410,7 @@ def _zero(stage: int, inner, mesh, axis_name, layout, min_shard_size) -> ZeroTra
     axis_name=axis_name,
     layout=layout,
     min_shard_size=min_shard_size,
+    precision=precision_lib.resolve(precision),
   )
 
 
@@ -267,6 +428,9 @@ _ARGS_DOC = """
       ``axis_name`` on the dimension to shard (``P()`` replicates the leaf);
       ``None`` keeps the default rule (see ``zerojax.default_shard_dim``).
     min_shard_size: leaves with fewer elements stay replicated by default.
+    precision: a ``zerojax.Precision`` policy (master, compute and reduce
+      dtypes; loss scaling; skipping non-finite steps), or one of ``"fp32"``,
+      ``"bf16"``, ``"fp16"``. By default nothing is cast and no step skipped.
 
   Returns:
     A ``ZeroTransformation``.
@@ -283,8 +447,9 @@ def _stage(stage: int, summary: str):
     axis_name: str = "data",
     layout: Any = None,
     min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
+    precision: precision_lib.Precision | str | None = None,
   ) -> ZeroTransformation:
-    return _zero(stage, inner, mesh, axis_name, layout, min_shard_size)
+    return _zero(stage, inner, mesh, axis_name, layout, min_shard_size, precision)
 
   factory.__name__ = factory.__qualname__ = f"zero{stage}"
   factory.__doc__ = summary + _ARGS_DOC
