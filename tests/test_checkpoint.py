@@ -1,0 +1,211 @@
+"""Checkpoints: round trips, restoring onto other device counts and stages, errors, crashes."""
+
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax._src.checkpoint import CheckpointManager, train_state_spec
+
+STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
+WORKER = pathlib.Path(__file__).with_name("checkpoint_worker.py")
+
+# "w" has no dimension that 2, 4 or 8 divides, so its stored shape changes with
+# the device count (and stage 1 stores the params unpadded); "b" never pads;
+# "scale" is too small to shard.
+MODEL = {
+  "w": jax.ShapeDtypeStruct((5, 1001), jnp.float32),
+  "b": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+  "scale": jax.ShapeDtypeStruct((3,), jnp.float32),
+}
+
+
+def make_tx(num_devices: int, stage: int):
+  mesh = jax.make_mesh(
+    (num_devices,),
+    ("data",),
+    devices=jax.devices()[:num_devices],
+    axis_types=(jax.sharding.AxisType.Auto,),
+  )
+  return STAGES[stage](optax.adam(1e-2), mesh=mesh)
+
+
+def trained_state(tx, steps: int = 2):
+  """A state whose every leaf, Adam's moments included, holds distinct values."""
+  keys = iter(jax.random.split(jax.random.PRNGKey(0), 16))
+  full = {name: jax.random.normal(next(keys), x.shape, x.dtype) for name, x in MODEL.items()}
+  params = tx.shard(full)
+  opt_state = tx.init(params)
+  for _ in range(steps):
+    grads = {name: jax.random.normal(next(keys), x.shape, x.dtype) for name, x in MODEL.items()}
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return {
+    "params": params,
+    "opt_state": opt_state,
+    "step": jnp.int32(steps),
+    "rng": jax.random.PRNGKey(steps),
+  }
+
+
+def spec_for(tx):
+  return train_state_spec(tx, MODEL, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
+
+
+def logical_values(state, spec):
+  """Every leaf on the host, padding sliced off; checks the padding is zeros."""
+
+  def unpad(x, logical):
+    x = np.asarray(x)
+    inside = tuple(slice(0, n) for n in logical.shape)
+    padding = x.copy()
+    padding[inside] = 0
+    assert not padding.any(), "padding must stay zeros"
+    return x[inside]
+
+  return jax.tree.map(unpad, state, spec.logical)
+
+
+def assert_same(actual, expected):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for path, a, e in zip(
+    *zip(*jax.tree_util.tree_flatten_with_path(actual)[0], strict=True),
+    jax.tree.leaves(expected),
+    strict=True,
+  ):
+    assert a.dtype == e.dtype and a.shape == e.shape, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(a, e, err_msg=jax.tree_util.keystr(path), strict=True)
+
+
+def assert_placed(state, spec):
+  for x, struct in zip(jax.tree.leaves(state), jax.tree.leaves(spec.stored), strict=True):
+    assert x.shape == struct.shape and x.dtype == struct.dtype
+    assert x.sharding.is_equivalent_to(struct.sharding, x.ndim)
+
+
+def test_round_trip_is_bit_identical(tmp_path):
+  tx = make_tx(8, 3)
+  state, spec = trained_state(tx), spec_for(tx)
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    assert checkpoints.save(2, state)
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    assert checkpoints.latest_step() == 2
+    restored = checkpoints.restore()
+  assert_placed(restored, spec)
+  assert_same(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, state))
+
+
+@pytest.mark.parametrize(
+  "hops",
+  [
+    [(8, 3), (4, 3), (2, 3), (1, 3)],
+    [(2, 3), (8, 3)],
+    [(8, 3), (8, 1), (8, 3)],
+    [(8, 2), (4, 1), (2, 3)],
+  ],
+  ids=["8-4-2-1", "2-8", "stage3-1-3", "stage2-1-3"],
+)
+def test_restore_onto_other_device_counts_and_stages(tmp_path, hops):
+  tx = make_tx(*hops[0])
+  state, spec = trained_state(tx), spec_for(tx)
+  expected = logical_values(state, spec)
+  for hop, (num_devices, stage) in enumerate(hops[1:]):
+    with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
+      checkpoints.save(0, state)
+    spec = spec_for(make_tx(num_devices, stage))
+    with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
+      state = checkpoints.restore()
+    assert_placed(state, spec)
+    assert_same(logical_values(state, spec), expected)
+
+
+def test_keeps_the_last_k_and_saves_every_interval(tmp_path):
+  tx = make_tx(8, 3)
+  state, spec = trained_state(tx, steps=0), spec_for(tx)
+  with CheckpointManager(tmp_path, spec, max_to_keep=2, save_interval_steps=2) as checkpoints:
+    saved = [checkpoints.save(step, state) for step in range(7)]
+    assert checkpoints.save(7, state, force=True)
+    checkpoints.wait()
+    assert saved == [True, False, True, False, True, False, True]
+    assert checkpoints.all_steps() == [6, 7]
+  assert sorted(os.listdir(tmp_path)) == ["6", "7"]
+
+
+def test_a_mismatched_checkpoint_names_what_differs(tmp_path):
+  tx = make_tx(8, 3)
+  with CheckpointManager(tmp_path, spec_for(tx)) as checkpoints:
+    checkpoints.save(0, trained_state(tx, steps=0))
+  other = {
+    "w": jax.ShapeDtypeStruct((5, 1000), jnp.float32),  # another shape
+    "b": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),  # another dtype
+    "bias": jax.ShapeDtypeStruct((3,), jnp.float32),  # "scale" renamed
+  }
+  spec = train_state_spec(tx, other, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
+  with CheckpointManager(tmp_path, spec) as checkpoints, pytest.raises(ValueError) as error:
+    checkpoints.restore()
+  message = str(error.value)
+  assert "checkpoint step 0" in message
+  assert "['params']['w']: shape (5, 1001) in the checkpoint, (5, 1000) in the spec" in message
+  assert "['params']['b']: dtype float32 in the checkpoint, bfloat16 in the spec" in message
+  assert "['params']['bias']: in the spec, not in the checkpoint" in message
+  assert "['params']['scale']: in the checkpoint, not in the spec" in message
+  assert ".mu['w']: shape (5, 1001)" in message  # the optimizer state is checked too
+
+
+def test_saving_a_state_of_another_spec_raises(tmp_path):
+  tx = make_tx(8, 3)
+  state = trained_state(tx, steps=0)
+  state["step"] = jnp.float32(0)
+  with (
+    CheckpointManager(tmp_path, spec_for(tx)) as checkpoints,
+    pytest.raises(ValueError, match=r"\['step'\]: dtype float32 in the state, int32 in the spec"),
+  ):
+    checkpoints.save(0, state)
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_checkpoint_raises_instead_of_restoring_part(tmp_path, damage):
+  tx = make_tx(8, 3)
+  spec = spec_for(tx)
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    checkpoints.save(0, trained_state(tx))
+  data = [path for path in (tmp_path / "0" / "state").rglob("*") if path.parent.name == "d"]
+  largest = max(data, key=lambda path: path.stat().st_size)
+  if damage == "truncate":
+    os.truncate(largest, largest.stat().st_size // 2)
+  else:
+    largest.unlink()
+  with (
+    CheckpointManager(tmp_path, spec) as checkpoints,
+    pytest.raises(ValueError, match=r"checkpoint step 0 .* could not be read in full"),
+  ):
+    checkpoints.restore()
+
+
+def test_a_checkpoint_without_its_layout_record_raises(tmp_path):
+  tx = make_tx(8, 3)
+  spec = spec_for(tx)
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    checkpoints.save(0, trained_state(tx, steps=0))
+  for path in (tmp_path / "0" / "layout").iterdir():
+    path.unlink()
+  with (
+    CheckpointManager(tmp_path, spec) as checkpoints,
+    pytest.raises(FileNotFoundError, match="no readable layout record"),
+  ):
+    checkpoints.restore()
+
+
+def test_restoring_a_missing_step_raises(tmp_path):
+  tx = make_tx(8, 3)
+  with (
+    CheckpointManager(tmp_path, spec_for(tx)) as checkpoints,
+    pytest.raises(FileNotFoundError, match=r"no checkpoint for step None .* steps \[\]"),
+  ):
+    checkpoints.restore()

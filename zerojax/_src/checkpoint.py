@@ -1,0 +1,384 @@
+"""Sharded checkpoints of a training state, restorable onto any device count and stage.
+
+Each process writes only its own shards (Orbax), asynchronously, into a
+temporary directory that is renamed once complete. Arrays are saved as stored,
+padding included, so saving copies nothing on the devices. Every checkpoint
+also records the state's *logical* leaves (paths, shapes without padding,
+dtypes): a restore compares them with the target's and names what differs, and
+reads each array straight into the target's shardings, cutting or zero-filling
+the end of a padded dimension where the target pads it differently. Padding is
+always zeros at the end of one dimension, and the logical region is the same
+on both sides, so this gives back the saved values exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax._src import zero as zero_lib
+
+_STAGES = {1: zero_lib.zero1, 2: zero_lib.zero2, 3: zero_lib.zero3}
+
+#: How a leaf is described in a checkpoint: its logical shape and dtype name.
+LeafInfo = tuple[tuple[int, ...], str]
+
+
+class StateSpec(NamedTuple):
+  """What a training state looks like, as stored on a mesh and logically.
+
+  Build one with ``train_state_spec``. A ``CheckpointManager`` saves states of
+  this spec and restores checkpoints into it, whichever spec they were saved
+  with, as long as the logical leaves agree.
+
+  Attributes:
+    stored: a pytree of ``jax.ShapeDtypeStruct`` with ``sharding`` set: the
+      state's arrays as they live on the mesh (padded where the layout pads).
+    logical: the same pytree without padding or shardings: what the state is,
+      whatever the device count or stage.
+    master_path: the keys that lead from the state's root to its full-precision
+      parameters (what ``export_safetensors`` writes).
+  """
+
+  stored: Any
+  logical: Any
+  master_path: tuple[str | int, ...] = ("params",)
+
+
+def train_state_spec(tx: zero_lib.ZeroTransformation, params: Any, **extras: Any) -> StateSpec:
+  """The spec of ``{"params": ..., "opt_state": ..., **extras}`` for ``tx``.
+
+  Args:
+    tx: the ``ZeroTransformation`` the state is (or will be) trained with: its
+      mesh, stage and precision policy decide how the state is stored.
+    params: the parameters, full or as ``tx`` stores them, as arrays or
+      ``jax.ShapeDtypeStruct``. For a spec of another device count or stage,
+      pass the full ones (another transformation's padding would be taken
+      for part of the model).
+    **extras: more leaves of the state (a step counter, an RNG key, ...), as
+      arrays or ``jax.ShapeDtypeStruct``; they are replicated on ``tx.mesh``.
+      Use raw keys (``jax.random.PRNGKey`` or ``jax.random.key_data``).
+
+  Returns:
+    The ``StateSpec``.
+
+  Raises:
+    ValueError: if ``extras`` names ``params`` or ``opt_state``, or holds a
+      typed PRNG key.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> from zerojax._src.checkpoint import train_state_spec
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
+    >>> spec = train_state_spec(tx, {"w": jnp.zeros((5, 1001))}, step=jnp.int32(0))
+    >>> spec.stored["params"]["w"].shape, spec.logical["params"]["w"].shape
+    ((5, 1008), (5, 1001))
+    >>> spec.stored["params"]["w"].sharding.spec
+    P(None, 'data')
+  """
+  if "opt_state" in extras:
+    raise ValueError(
+      "train_state_spec makes opt_state itself from tx and params; name the extra leaf otherwise."
+    )
+  master = tx.layout(params).map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+  replicated = NamedSharding(tx.mesh, P())
+  extras = {name: _extra(name, x) for name, x in extras.items()}
+  stored = {
+    "params": _placed(jax.eval_shape(tx.shard, master), tx.param_shardings(master)),
+    "opt_state": _placed(jax.eval_shape(tx.init, master), tx.state_shardings(master)),
+    **{name: _placed(x, replicated) for name, x in extras.items()},
+  }
+  # On one device nothing is padded, so the same transformation there stores
+  # every leaf in its logical shape.
+  alone = _on_one_device(tx)
+  logical = {
+    "params": jax.eval_shape(alone.shard, master),
+    "opt_state": jax.eval_shape(alone.init, master),
+    **extras,
+  }
+  master_params = tx.master_params(stored["params"], stored["opt_state"])
+  return StateSpec(stored, logical, _path_of(stored, master_params))
+
+
+def _extra(name: str, x: Any) -> jax.ShapeDtypeStruct:
+  struct = jax.eval_shape(lambda x: x, x)
+  if not isinstance(struct, jax.ShapeDtypeStruct) or jax.dtypes.issubdtype(
+    struct.dtype, jax.dtypes.prng_key
+  ):
+    raise ValueError(
+      f"extra state leaf {name!r} must be one array; for a typed PRNG key "
+      "store jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data."
+    )
+  return jax.ShapeDtypeStruct(struct.shape, struct.dtype)
+
+
+def _placed(structs: Any, shardings: Any) -> Any:
+  return jax.tree.map(
+    lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+    structs,
+    shardings,
+  )
+
+
+def _on_one_device(tx: zero_lib.ZeroTransformation) -> zero_lib.ZeroTransformation:
+  mesh = Mesh(np.array(jax.local_devices()[:1]), (tx.axis_name,))
+  return _STAGES[tx.stage](tx.inner, mesh=mesh, axis_name=tx.axis_name, precision=tx.precision)
+
+
+def _path_of(tree: Any, subtree: Any) -> tuple[str | int, ...]:
+  """The keys from ``tree``'s root to ``subtree``, one of its nodes (found by identity)."""
+  first = jax.tree.leaves(subtree)[0]
+  depth = len(jax.tree_util.tree_flatten_with_path(subtree)[0][0][0])
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if leaf is first:
+      return tuple(key_name(key) for key in path[: len(path) - depth])
+  raise ValueError("the master parameters are not part of the state")
+
+
+def key_name(key: Any) -> str | int:
+  """A pytree path entry as the dict key, attribute name or index it stands for."""
+  for attribute in ("key", "name", "idx"):
+    if hasattr(key, attribute):
+      return getattr(key, attribute)
+  raise ValueError(f"cannot name the pytree path entry {key!r}")
+
+
+def describe(tree: Any) -> dict[str, LeafInfo]:
+  """``{path: (shape, dtype name)}`` for every leaf of a pytree of arrays or structs."""
+  return {
+    jax.tree_util.keystr(path): (tuple(int(n) for n in np.shape(x)), np.dtype(x.dtype).name)
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
+
+
+def differences(
+  expected: dict[str, LeafInfo], found: dict[str, LeafInfo], names: tuple[str, str]
+) -> list[str]:
+  """What differs between two ``describe`` results, one line per path.
+
+  Args:
+    expected: what should be there.
+    found: what is there.
+    names: what to call each in the lines, e.g. ``("spec", "checkpoint")``.
+
+  Example:
+    >>> from zerojax._src.checkpoint import differences
+    >>> for line in differences(
+    ...   {"w": ((2, 3), "float32"), "b": ((3,), "float32")},
+    ...   {"w": ((2, 4), "bfloat16")},
+    ...   names=("spec", "file"),
+    ... ):
+    ...   print(line)
+    b: in the spec, not in the file
+    w: dtype bfloat16 in the file, float32 in the spec
+    w: shape (2, 4) in the file, (2, 3) in the spec
+  """
+  want, have = names
+  lines = [f"{path}: in the {want}, not in the {have}" for path in expected if path not in found]
+  lines += [f"{path}: in the {have}, not in the {want}" for path in found if path not in expected]
+  for path in expected.keys() & found.keys():
+    for what, wanted, got in zip(("shape", "dtype"), expected[path], found[path], strict=True):
+      if wanted != got:
+        lines.append(f"{path}: {what} {got} in the {have}, {wanted} in the {want}")
+  return sorted(lines)
+
+
+def _mismatch(what: str, expected: dict, found: dict, names: tuple[str, str], fix: str) -> None:
+  lines = differences(expected, found, names)
+  if lines:
+    shown = lines[:20] + ([f"... and {len(lines) - 20} more"] if len(lines) > 20 else [])
+    raise ValueError("\n  ".join([f"{what}:", *shown]) + "\n" + fix)
+
+
+def orbax_manager(directory: str | os.PathLike, **options: Any) -> ocp.CheckpointManager:
+  """An Orbax manager for zerojax's two items: ``state`` (arrays) and ``layout`` (JSON)."""
+  return ocp.CheckpointManager(
+    os.path.abspath(directory),
+    options=ocp.CheckpointManagerOptions(**options),
+    item_handlers={
+      "state": ocp.PyTreeCheckpointHandler(),
+      "layout": ocp.JsonCheckpointHandler(),
+    },
+  )
+
+
+def read_layout(manager: ocp.CheckpointManager, step: int | None) -> tuple[int, dict[str, Any]]:
+  """The step (the latest if ``None``) and the layout recorded with it.
+
+  Raises:
+    FileNotFoundError: if there is no such checkpoint, or it lacks its layout.
+  """
+  steps = manager.all_steps()
+  if step is None and steps:
+    step = max(steps)
+  if step not in steps:
+    raise FileNotFoundError(
+      f"no checkpoint for step {step} in {manager.directory} (it has steps {sorted(steps)})."
+    )
+  try:
+    layout = manager.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))
+  except (FileNotFoundError, ValueError) as error:
+    raise FileNotFoundError(
+      f"checkpoint step {step} in {manager.directory} has no readable layout "
+      f"record ({error}); it is damaged: restore another step."
+    ) from error
+  return step, layout["layout"]
+
+
+class CheckpointManager:
+  """Saves training states of one ``StateSpec`` and restores checkpoints into it.
+
+  Saving keeps the last ``max_to_keep`` checkpoints, one every
+  ``save_interval_steps`` steps. A save is written into a temporary directory
+  that is renamed when every process has finished, so a run killed mid-save
+  leaves the previous checkpoints intact; the temporary directory is removed
+  the next time a manager opens the directory.
+
+  To restore onto another device count or stage, open the same directory with
+  the spec of the new transformation: ``restore`` reads each process's shards
+  of every array straight into the new shardings.
+
+  Args:
+    directory: where the checkpoints live (created if needed).
+    spec: the ``StateSpec`` of the states to save and restore.
+    max_to_keep: how many of the latest checkpoints to keep (``None``: all).
+    save_interval_steps: ``save`` writes only steps that are multiples of this.
+    async_save: write in the background; ``save`` returns once the arrays are
+      copied to host memory. ``wait`` (or leaving the ``with`` block) waits.
+
+  Example:
+    >>> import tempfile, jax, jax.numpy as jnp, optax, zerojax
+    >>> from zerojax._src.checkpoint import CheckpointManager, train_state_spec
+    >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> full = {"w": jnp.ones((5, 1001))}
+    >>> params = tx.shard(full)
+    >>> state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(7)}
+    >>> spec = train_state_spec(tx, full, step=state["step"])
+    >>> directory = tempfile.mkdtemp()
+    >>> with CheckpointManager(directory, spec) as checkpoints:
+    ...   checkpoints.save(7, state)
+    True
+    >>> mesh2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> tx2 = zerojax.zero1(optax.adam(1e-3), mesh=mesh2)
+    >>> with CheckpointManager(directory, train_state_spec(tx2, full, step=state["step"])) as c:
+    ...   restored = c.restore()
+    >>> restored["params"]["w"].shape, int(restored["step"])
+    ((5, 1001), 7)
+  """
+
+  def __init__(
+    self,
+    directory: str | os.PathLike,
+    spec: StateSpec,
+    *,
+    max_to_keep: int | None = 3,
+    save_interval_steps: int = 1,
+    async_save: bool = True,
+  ):
+    self.spec = spec
+    self._stored = describe(spec.stored)
+    self._logical = describe(spec.logical)
+    policies = ocp.checkpoint_managers
+    self._manager = orbax_manager(
+      directory,
+      save_decision_policy=policies.FixedIntervalPolicy(save_interval_steps),
+      preservation_policy=None if max_to_keep is None else policies.LatestN(max_to_keep),
+      enable_async_checkpointing=async_save,
+      cleanup_tmp_directories=True,
+    )
+
+  @property
+  def directory(self) -> str:
+    return os.fspath(self._manager.directory)
+
+  def save(self, step: int, state: Any, *, force: bool = False) -> bool:
+    """Saves ``state`` as checkpoint ``step``, unless the interval skips it.
+
+    Args:
+      step: the checkpoint's step number.
+      state: a pytree of ``jax.Array`` s matching ``spec.stored``.
+      force: save even if ``step`` is not a multiple of the interval.
+
+    Returns:
+      Whether a save was started.
+
+    Raises:
+      ValueError: if ``state`` does not match the spec (naming every path
+        whose structure, shape or dtype differs).
+    """
+    _mismatch(
+      "the state does not match this manager's spec",
+      self._stored,
+      describe(state),
+      ("spec", "state"),
+      "Save the state the spec describes, or build the manager with that state's spec.",
+    )
+    layout = {"leaves": self._logical, "master_path": list(self.spec.master_path)}
+    args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), layout=ocp.args.JsonSave(layout))
+    return self._manager.save(step, args=args, force=force)
+
+  def restore(self, step: int | None = None) -> Any:
+    """The checkpoint of ``step`` (the latest by default), placed as ``spec.stored``.
+
+    Raises:
+      FileNotFoundError: if there is no such checkpoint.
+      ValueError: if its logical leaves differ from the spec's (naming every
+        path whose structure, shape or dtype differs), or its arrays cannot be
+        read in full.
+    """
+    step, layout = read_layout(self._manager, step)
+    saved = {path: (tuple(shape), dtype) for path, (shape, dtype) in layout["leaves"].items()}
+    _mismatch(
+      f"checkpoint step {step} in {self.directory} does not fit this manager's spec",
+      self._logical,
+      saved,
+      ("spec", "checkpoint"),
+      "Restore with the model, optimizer and precision policy that were saved; "
+      "the device count and stage may differ.",
+    )
+    restore_args = jax.tree.map(
+      lambda x: ocp.ArrayRestoreArgs(
+        sharding=x.sharding, global_shape=x.shape, dtype=x.dtype, strict=False
+      ),
+      self.spec.stored,
+    )
+    args = ocp.args.PyTreeRestore(item=self.spec.stored, restore_args=restore_args)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(state=args))
+    except Exception as error:
+      # Orbax's message ends with the whole TensorStore spec; its start says what failed.
+      reason = f"{type(error).__name__}: {error}"[:400]
+      raise ValueError(
+        f"checkpoint step {step} in {self.directory} could not be read in full "
+        f"({reason} ...). It is damaged: restore another of {self.all_steps()}."
+      ) from error
+    return restored["state"]
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step, or ``None``."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """The steps of every complete checkpoint, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def wait(self) -> None:
+    """Waits for a background save to finish (and raises its error, if any)."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for background saves and releases the manager."""
+    self._manager.close()
+
+  def __enter__(self) -> CheckpointManager:
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self.close()
