@@ -41,22 +41,27 @@ def plain_dp_step(params, state, x):
 
 
 @functools.cache
-def compiled(stage):
-  """The compiled step, and the per-device bytes of its params and state."""
+def compiled(stage, precision=None, microbatches=1):
+  """The compiled step, and the per-device bytes of its params and state.
+
+  Each device's micro-batch has 8 rows, so ``microbatches`` multiplies the batch.
+  """
   mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  x = jax.device_put(jnp.ones((64, WIDTH)), jax.NamedSharding(mesh, jax.P("data")))
+  x = jnp.ones((64 * microbatches, WIDTH))
+  x = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
   if stage == 0:
     replicated = jax.NamedSharding(mesh, jax.P())
     params = jax.device_put(make_params(), replicated)
     state = jax.device_put(optax.adam(1e-3).init(params), replicated)
     step = plain_dp_step
   else:
-    tx = getattr(zerojax, f"zero{stage}")(optax.adam(1e-3), mesh=mesh)
+    tx = getattr(zerojax, f"zero{stage}")(optax.adam(1e-3), mesh=mesh, precision=precision)
+    state = tx.init(make_params())
     params = tx.shard(make_params())
-    state = tx.init(params)
 
     def step(params, state, x):
-      _, grads = zerojax.value_and_grad(loss_fn, tx)(params, x)
+      grad_fn = zerojax.value_and_grad(loss_fn, tx, microbatches=microbatches)
+      _, grads = grad_fn(params, x, opt_state=state)
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state
 
@@ -124,3 +129,78 @@ def test_collectives_in_a_scan_count_once_per_iteration():
   comm = zerojax.count_collectives(jax.jit(g).lower(jnp.ones((4, 64))).compile())
   assert comm["all-gather"].count == 4
   assert comm["all-gather"].bytes == 4 * 64 * 4
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_mixed_precision_persistent_bytes_are_the_zero_formula(stage):
+  # The ZeRO paper's mixed-precision accounting with 2-byte compute copies:
+  # stages 1-2 keep 2Ψ of bf16 params and (4 + 8)Ψ/N of master and Adam state;
+  # stage 3 stores the fp32 master itself, (4 + 8)Ψ/N.
+  _, persistent = compiled(stage, "bf16")
+  num_bytes = NUM_PARAMS * (12 / N if stage == 3 else 2 + 12 / N)
+  assert persistent == pytest.approx(num_bytes, rel=0.02)
+  estimate = zerojax.estimate_tree_memory(
+    make_params(), optax.adam(1e-3), num_devices=N, stage=stage, precision="bf16"
+  )
+  assert persistent == estimate.params + estimate.optimizer_state
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_stage3_gathers_in_the_compute_dtype(precision):
+  fp32 = zerojax.count_collectives(compiled(3)[0])
+  low = zerojax.count_collectives(compiled(3, precision)[0])
+  assert low["all-gather"].bytes == pytest.approx(fp32["all-gather"].bytes / 2, rel=0.01)
+  # Gradients are still reduce-scattered in fp32, the policy's reduce dtype.
+  assert low["reduce-scatter"].bytes == pytest.approx(fp32["reduce-scatter"].bytes, rel=0.01)
+
+
+def test_reduce_dtype_sets_the_reduce_scatter_bytes():
+  policy = zerojax.Precision(params="fp32", compute="fp16", reduce="fp16")
+  fp32 = zerojax.count_collectives(compiled(3)[0])
+  low = zerojax.count_collectives(compiled(3, policy)[0])
+  assert low["reduce-scatter"].bytes == pytest.approx(fp32["reduce-scatter"].bytes / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_all_gather_updated_params_in_the_compute_dtype(stage):
+  # fp16 rather than bf16: XLA:CPU widens bf16 collectives that the compiler
+  # places itself to fp32 (GPU and TPU run them in bf16).
+  fp32 = zerojax.count_collectives(compiled(stage)[0])
+  low = zerojax.count_collectives(compiled(stage, "fp16")[0])
+  assert low["all-gather"].bytes == pytest.approx(fp32["all-gather"].bytes / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulating_micro_batches_costs_a_shard_not_the_model(stage):
+  # Same micro-batch size, four of them: the extra temporary memory is the
+  # shard-sized accumulator (Ψ/N, plus the micro-batch's own gradient shard),
+  # never a full-size gradient buffer (Ψ). Measured: +0 (stage 2), +1.4 Ψ/N (stage 3).
+  one = compiled(stage)[0].memory_analysis().temp_size_in_bytes
+  four = compiled(stage, None, 4)[0].memory_analysis().temp_size_in_bytes
+  assert four - one <= 2 * MODEL_BYTES / N
+  comm = zerojax.count_collectives(compiled(stage, None, 4)[0])
+  assert comm["reduce-scatter"].bytes == pytest.approx(4 * MODEL_BYTES, rel=0.05)
+
+
+def test_stage1_accumulates_locally_and_reduces_once():
+  comm = zerojax.count_collectives(compiled(1, None, 4)[0])
+  assert comm["reduce-scatter"].bytes == pytest.approx(MODEL_BYTES, rel=0.05)
+
+
+def test_clipping_adds_only_scalar_all_reduces():
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  tx = zerojax.zero3(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), mesh=mesh)
+  params = tx.shard(make_params())
+  state = tx.init(params)
+  x = jax.device_put(jnp.ones((64, WIDTH)), jax.NamedSharding(mesh, jax.P("data")))
+
+  def step(params, state, x):
+    _, grads = zerojax.value_and_grad(loss_fn, tx)(params, x)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  comm = zerojax.count_collectives(jax.jit(step).lower(params, state, x).compile())
+  unclipped = zerojax.count_collectives(compiled(3)[0])
+  assert comm["all-reduce"].bytes <= 64
+  assert comm["reduce-scatter"].bytes == unclipped["reduce-scatter"].bytes
+  assert comm["all-gather"].bytes == unclipped["all-gather"].bytes

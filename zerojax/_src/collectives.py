@@ -53,7 +53,7 @@ def remat_policy(primitive, *_, **params) -> bool:
 
 
 #: What the forward passes of ``gather``'s custom VJPs consist of.
-_READS = frozenset({"pvary", "pcast", "convert_element_type", "all_gather"})
+_READS = frozenset({"pvary", "pcast", "convert_element_type", "bitcast_convert_type", "all_gather"})
 
 
 def _only_reads(closed_jaxpr) -> bool:
@@ -153,7 +153,25 @@ class _Dtypes(NamedTuple):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _all_gather(value, axis, axis_name, dtypes):
   """A tiled all-gather in the compute dtype whose backward pass reduce-scatters."""
-  return jax.lax.all_gather(value.astype(dtypes.compute), axis_name, axis=axis, tiled=True)
+  if value.dtype == dtypes.compute:
+    return jax.lax.all_gather(value, axis_name, axis=axis, tiled=True)
+  bits = as_bits(value.astype(dtypes.compute))
+  return from_bits(jax.lax.all_gather(bits, axis_name, axis=axis, tiled=True), dtypes.compute)
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+  """``x``'s bits as unsigned integers of the same width, for moving it unchanged.
+
+  A collective on the bits moves exactly ``x``'s bytes: XLA cannot widen it
+  (XLA:CPU runs bfloat16 collectives in float32) or move a preceding
+  narrowing cast past it.
+  """
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
+  """The inverse of ``as_bits``."""
+  return jax.lax.bitcast_convert_type(bits, dtype)
 
 
 def _all_gather_fwd(value, axis, axis_name, dtypes):

@@ -12,6 +12,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src import collectives
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import precision as precision_lib
@@ -355,11 +356,16 @@ def _difference(mesh: Mesh, plans: Plans, new_master: Any, params: Any) -> Any:
   rounding comes before the replication, so the all-gather moves compute-dtype
   bytes.
   """
-  rounded = plans.params.map(lambda leaf, x: x.astype(leaf.dtype), new_master)
-  rounded = mesh_lib.constrain(mesh, rounded, plans.params.specs())
-  return jax.tree.map(
-    lambda new, old, wide: new.astype(wide.dtype) - old.astype(wide.dtype),
-    rounded,
+  # Pinning the master's sharding, and moving the rounded values as bits, keep
+  # the compiler from replicating the master first and rounding afterwards.
+  new_master = mesh_lib.constrain(mesh, new_master, plans.sharded.specs())
+  bits = plans.params.map(lambda leaf, x: collectives.as_bits(x.astype(leaf.dtype)), new_master)
+  bits = mesh_lib.constrain(mesh, bits, plans.params.specs())
+  return plans.params.map(
+    lambda leaf, new, old, wide: (
+      collectives.from_bits(new, leaf.dtype).astype(wide.dtype) - old.astype(wide.dtype)
+    ),
+    bits,
     params,
     new_master,
   )

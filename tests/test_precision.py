@@ -1,0 +1,256 @@
+"""Mixed precision, loss scaling, skipped non-finite steps and the pre-clip gradient norm."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from tests import models
+from tests.test_equivalence import STAGES, assert_same_params
+
+N = 8
+FP16 = zerojax.Precision(
+  params="fp32",
+  compute="fp16",
+  reduce="fp32",
+  # Small enough that clean steps of the test model do not overflow in fp16.
+  loss_scale=zerojax.DynamicLossScale(initial=2.0**10, growth_interval=2),
+)
+
+
+def explicit_step(tx):
+  @jax.jit
+  def step(params, state, *batch):
+    loss, grads = zerojax.value_and_grad(models.loss_fn, tx)(params, *batch, opt_state=state)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  return step
+
+
+def start(stage, mesh, inner, precision):
+  tx = STAGES[stage](inner, mesh=mesh, precision=precision)
+  full = models.make_params()
+  state = tx.init(full)
+  return tx, tx.shard(full), state
+
+
+def mixed_reference(inner, compute_dtype, params, batch, steps):
+  """Plain optax on one device, mixed precision by hand: fp32 master, low-precision loss."""
+  state = inner.init(params)
+
+  @jax.jit
+  def step(master, state):
+    low = jax.tree.map(lambda p: p.astype(compute_dtype), master)
+    grads = jax.grad(lambda low: models.loss_fn(low, *batch).astype(jnp.float32))(low)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, state = inner.update(grads, state, master)
+    return optax.apply_updates(master, updates), state
+
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params
+
+
+@functools.cache
+def bf16_reference():
+  return mixed_reference(optax.sgd(0.1), jnp.bfloat16, models.make_params(), models.make_batch(), 3)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_policy_trains_like_mixed_precision_by_hand(stage, mesh):
+  tx, params, state = start(stage, mesh, optax.sgd(0.1), "bf16")
+  step = explicit_step(tx)
+  for _ in range(3):
+    params, state, _ = step(params, state, *models.make_batch())
+  stored = jax.tree.leaves(params)
+  assert {x.dtype for x in stored} == {np.dtype(jnp.bfloat16 if stage < 3 else jnp.float32)}
+  master = tx.gather(tx.master_params(params, state))
+  # bf16 sums in a different order on 8 devices than on one: bf16 tolerance.
+  for path, actual in jax.tree_util.tree_flatten_with_path(master)[0]:
+    expected = bf16_reference()[path[0].key]
+    for key in path[1:]:
+      expected = expected[key.key]
+    np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-3, err_msg=str(path))
+  if stage < 3:
+    # The working copy is exactly the master rounded, never drifting from it.
+    rounded = jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
+    jax.tree.map(np.testing.assert_array_equal, tx.gather(params), rounded)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_static_loss_scale_changes_no_number(stage, mesh):
+  # Scaling by a power of two is exact in fp32, so the result must match plain optax.
+  policy = zerojax.Precision(loss_scale=2.0**12)
+  tx, params, state = start(stage, mesh, optax.adam(1e-2), policy)
+  step = explicit_step(tx)
+  batch = models.make_batch()
+  for _ in range(3):
+    params, state, _ = step(params, state, *batch)
+  expected = models.reference(optax.adam(1e-2), models.make_params(), batch, 3)
+  assert_same_params(tx.gather(params), expected)
+  assert int(state.skipped_steps) == 0
+
+
+def poisoned_batch(device=3):
+  """The test batch with an inf in the rows of one device only."""
+  x, y = models.make_batch()
+  rows = models.BATCH // N
+  return x.at[device * rows, 0].set(jnp.inf), y
+
+
+def bits(tree):
+  return [np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}") for x in jax.tree.leaves(tree)]
+
+
+def assert_bit_identical(a, b):
+  for x, y in zip(bits(a), bits(b), strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_overflow_on_one_device_skips_the_step_everywhere(stage, mesh):
+  tx, params, state = start(stage, mesh, optax.adam(1e-2), FP16)
+  step = explicit_step(tx)
+  clean = models.make_batch()
+  params, state, _ = step(params, state, *clean)  # one real step first
+  before = (params, state.inner_state, state.master)
+
+  params, state, loss = step(params, state, *poisoned_batch())
+  assert not np.isfinite(loss)
+  assert_bit_identical((params, state.inner_state, state.master), before)
+  assert int(state.skipped_steps) == 1
+  # Hysteresis 2: the first overflow keeps the scale, the second halves it.
+  assert float(state.loss_scale.scale) == 2.0**10
+  params, state, _ = step(params, state, *poisoned_batch(device=6))
+  assert_bit_identical((params, state.inner_state, state.master), before)
+  assert (int(state.skipped_steps), float(state.loss_scale.scale)) == (2, 2.0**9)
+
+  params, state, _ = step(params, state, *clean)
+  assert int(state.skipped_steps) == 2
+  assert not np.array_equal(bits(params)[0], bits(before[0])[0])
+
+
+def test_skip_keeps_negative_zero(mesh):
+  policy = zerojax.Precision(skip_nonfinite=True)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, precision=policy)
+  full = models.make_params()
+  full["head"] = full["head"].at[0, 0].set(-0.0)
+  params = tx.shard(full)
+  state = tx.init(params)
+  new_params, state, _ = explicit_step(tx)(params, state, *poisoned_batch())
+  assert_bit_identical(new_params, params)
+  assert np.signbit(np.asarray(tx.gather(new_params)["head"])[0, 0])
+  assert int(state.skipped_steps) == 1
+  assert state.loss_scale is None
+
+
+def test_without_skipping_a_non_finite_step_is_applied(mesh):
+  tx, params, state = start(3, mesh, optax.sgd(0.1), None)
+  params, state, _ = explicit_step(tx)(params, state, *poisoned_batch())
+  assert not np.isfinite(np.asarray(tx.gather(params)["embed"])).all()
+  assert int(state.skipped_steps) == 0
+
+
+class DeepSpeedLossScaler:
+  """DeepSpeed's ``DynamicLossScaler.update_scale`` (consecutive_hysteresis=False), transcribed."""
+
+  def __init__(self, scale, window, hysteresis, minimum):
+    self.cur_scale, self.scale_window, self.min_scale = scale, window, minimum
+    self.delayed_shift = self.cur_hysteresis = hysteresis
+    self.cur_iter, self.last_overflow_iter = 0, -1
+
+  def update_scale(self, overflow):
+    if overflow:
+      if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+        self.cur_scale = max(self.cur_scale / 2, self.min_scale)
+      else:
+        self.cur_hysteresis -= 1
+      self.last_overflow_iter = self.cur_iter
+    elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+      self.cur_hysteresis = self.delayed_shift
+      self.cur_scale *= 2
+    self.cur_iter += 1
+
+
+def test_dynamic_loss_scale_follows_deepspeed():
+  config = zerojax.DynamicLossScale(initial=2.0**4, growth_interval=3, hysteresis=2, minimum=2.0)
+  policy = zerojax.Precision(loss_scale=config)
+  ours = zerojax.LossScaleState(*(jnp.asarray(x) for x in (2.0**4, 0, 2)))
+  theirs = DeepSpeedLossScaler(2.0**4, 3, 2, 2.0)
+  overflows = np.random.default_rng(0).random(300) < 0.3
+  adjust = jax.jit(functools.partial(zerojax._src.precision.adjust_loss_scale, policy))
+  for overflow in overflows:
+    ours = adjust(ours, jnp.asarray(not overflow))
+    theirs.update_scale(overflow)
+    assert float(ours.scale) == theirs.cur_scale
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_pre_clip_grad_norm_is_the_true_global_norm(stage, mesh):
+  inner = optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.1))
+  tx, params, state = start(stage, mesh, inner, None)
+  batch = models.make_batch()
+  params, state, _ = explicit_step(tx)(params, state, *batch)
+  grads = jax.grad(models.loss_fn)(models.make_params(), *batch)
+  assert float(state.pre_clip_grad_norm) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
+  assert float(state.pre_clip_grad_norm) > 0.1  # so the clip was active, and the norm is pre-clip
+  assert_same_params(tx.gather(params), models.reference(inner, models.make_params(), batch, 1))
+
+
+def test_policies_by_name():
+  assert zerojax.Precision.named("fp32") == zerojax.Precision("fp32", "fp32", "fp32")
+  fp16 = zerojax.Precision.named("fp16")
+  assert fp16.compute == np.dtype(np.float16) and fp16.skip_nonfinite
+  assert fp16.loss_scale == zerojax.DynamicLossScale()
+  assert zerojax.Precision().compute_dtype(jnp.bfloat16) == np.dtype(jnp.bfloat16)
+  assert fp16.compute_dtype(jnp.int32) == np.dtype(np.int32)
+
+
+@pytest.mark.parametrize(
+  "make, match",
+  [
+    (lambda: zerojax.Precision.named("fp8"), "unknown precision 'fp8'"),
+    (lambda: zerojax.Precision(compute="int8"), "must be a float dtype"),
+    (lambda: zerojax.Precision(loss_scale=-1.0), "must be positive"),
+    (lambda: zerojax.DynamicLossScale(initial=0.5), "minimum <= initial"),
+    (lambda: zerojax.DynamicLossScale(hysteresis=0), "at least 1"),
+    (lambda: zerojax.zero1(optax.sgd(0.1), precision=3), "must be a zerojax.Precision"),
+  ],
+)
+def test_bad_policies_are_refused(make, match, mesh):
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_init_refuses_the_rounded_copy(mesh):
+  tx = zerojax.zero2(optax.adam(1e-3), mesh=mesh, precision="bf16")
+  params = tx.shard(models.make_params())
+  with pytest.raises(ValueError, match=r"call tx.init\(params\) on the full-precision"):
+    tx.init(params)
+
+
+def test_loss_scaling_needs_the_state(mesh):
+  tx, params, _ = start(3, mesh, optax.sgd(0.1), FP16)
+  with pytest.raises(ValueError, match="opt_state=opt_state"):
+    zerojax.value_and_grad(models.loss_fn, tx)(params, *models.make_batch())
+
+
+def test_master_copy_update_needs_params(mesh):
+  tx, params, state = start(1, mesh, optax.sgd(0.1), "bf16")
+  _, grads = zerojax.value_and_grad(models.loss_fn, tx)(params, *models.make_batch())
+  with pytest.raises(ValueError, match=r"tx.update\(grads, state, params\)"):
+    tx.update(grads, state)
+
+
+def test_state_of_another_policy_is_refused(mesh):
+  tx, params, _ = start(1, mesh, optax.sgd(0.1), "bf16")
+  plain = zerojax.zero1(optax.sgd(0.1), mesh=mesh)
+  state = plain.init(models.make_params())
+  grads = jax.tree.map(jnp.zeros_like, models.make_params())
+  with pytest.raises(ValueError, match="another precision policy"):
+    tx.update(grads, state, params)
