@@ -107,6 +107,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--devices", type=int, default=8, help="data-parallel devices (forced on CPU)"
   )
+  parser.add_argument(
+    "--precision",
+    choices=("fp32", "bf16", "fp16"),
+    default="fp32",
+    help="compute dtype; master weights, optimizer state and gradient reductions stay fp32, "
+    "and fp16 adds dynamic loss scaling (stages 1-3)",
+  )
+  parser.add_argument(
+    "--microbatches",
+    type=int,
+    default=1,
+    help="micro-batches accumulated per step, per device (stages 1-3)",
+  )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--eval-every", type=int, default=100, help="steps between validations")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out"))
@@ -115,8 +128,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   for name in ("steps", "batch_size", "seq_len", "lr"):
     if getattr(args, name) is None:
       setattr(args, name, getattr(preset, name))
-  if args.batch_size % args.devices:
-    parser.error(f"--batch-size {args.batch_size} must be a multiple of --devices {args.devices}")
+  if args.batch_size % (args.devices * args.microbatches):
+    parser.error(
+      f"--batch-size {args.batch_size} must be a multiple of --devices {args.devices} "
+      f"times --microbatches {args.microbatches}"
+    )
+  if args.stage == 0 and (args.precision != "fp32" or args.microbatches != 1):
+    parser.error("--precision and --microbatches apply to stages 1-3 (zerojax)")
   return args
 
 
@@ -252,8 +270,8 @@ def init_params(model: GPT, seed: int) -> dict[str, Any]:
 
 
 def loss_fn(params: dict[str, Any], x: jax.Array, y: jax.Array, model: GPT) -> jax.Array:
-  """Mean next-byte cross-entropy, in nats."""
-  logits = model.apply({"params": params}, x)
+  """Mean next-byte cross-entropy, in nats, computed in fp32 whatever the compute dtype."""
+  logits = model.apply({"params": params}, x).astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
@@ -265,7 +283,7 @@ class Setup(NamedTuple):
 
   Attributes:
     place: full parameters -> parameters as the stage stores them.
-    init: stored parameters -> optimizer state.
+    init: full-precision parameters -> optimizer state.
     step: the jitted ``(params, opt_state, x, y) -> (params, opt_state, loss)``,
       which donates the parameters and the optimizer state.
     gather: stored parameters -> full, replicated parameters (also usable
@@ -293,24 +311,31 @@ def make_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
 
 
 def make_setup(
-  stage: int, mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation, loss: Callable
+  stage: int,
+  mesh: jax.sharding.Mesh,
+  optimizer: optax.GradientTransformation,
+  loss: Callable,
+  precision: str = "fp32",
+  microbatches: int = 1,
 ) -> Setup:
   """The ``Setup`` of ``stage``: ZeRO 1-3 through zerojax, or 0 for replicated data parallelism."""
   if stage == 0:
-    grad_fn = jax.value_and_grad(loss)
+    plain_grad_fn = jax.value_and_grad(loss)
+    grad_fn = lambda params, x, y, opt_state: plain_grad_fn(params, x, y)
     tx = optimizer
     place = lambda params: jax.device_put(params, NamedSharding(mesh, P()))
     init, gather = jax.jit(optimizer.init), lambda params: params
   else:
     tx = (zerojax.zero1, zerojax.zero2, zerojax.zero3)[stage - 1](
-      optimizer, mesh=mesh, axis_name=AXIS
+      optimizer, mesh=mesh, axis_name=AXIS, precision=precision
     )
-    grad_fn = zerojax.value_and_grad(loss, tx)
+    grad_fn = zerojax.value_and_grad(loss, tx, microbatches=microbatches)
     # Jitted here so that repeated calls (every evaluation) reuse one compilation.
     place, init, gather = tx.shard, tx.init, jax.jit(tx.gather)
 
   def step(params, opt_state, x, y):
-    value, grads = grad_fn(params, x, y)
+    # The optimizer state carries the fp16 loss scale (and is ignored by stage 0).
+    value, grads = grad_fn(params, x, y, opt_state=opt_state)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
@@ -424,12 +449,13 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   model = make_model(preset, args.seq_len)
   loss = functools.partial(loss_fn, model=model)
   optimizer = make_optimizer(args.lr, args.steps)
-  setup = make_setup(args.stage, mesh, optimizer, loss)
+  setup = make_setup(args.stage, mesh, optimizer, loss, args.precision, args.microbatches)
   platform = jax.devices()[0].platform
   initial = init_params(model, args.seed)
   n_params = sum(x.size for x in jax.tree.leaves(initial))
+  # The optimizer state (with the fp32 master copy) first: placing may round to --precision.
+  opt_state = setup.init(initial)
   params = setup.place(initial)
-  opt_state = setup.init(params)
 
   @jax.jit
   def evaluate(params, x, y):
@@ -437,7 +463,8 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
 
   print(
     f"{args.model} model: {n_params / 1e6:.2f}M params, stage {args.stage} on {args.devices} "
-    f"{platform} devices; {len(train_data) / 1e6:.2f}M train bytes, "
+    f"{platform} devices, {args.precision} compute, {args.microbatches} micro-batch(es); "
+    f"{len(train_data) / 1e6:.2f}M train bytes, "
     f"{len(val_data) / 1e3:.0f}K validation bytes"
   )
   print(f"unigram baseline: validation loss {baseline:.3f} nats/byte")
@@ -450,7 +477,7 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   compile_time = time.perf_counter() - start
   memory = {f"stage {args.stage}": memory_stats(compiled, params, opt_state)}
 
-  train_loss, val_loss, step_times = [], [], []
+  train_loss, val_loss, step_times, grad_norms = [], [], [], []
   bar = tqdm(range(1, args.steps + 1), desc=f"ZeRO-{args.stage}", dynamic_ncols=True)
   for step in bar:
     x, y = train_batch()
@@ -458,11 +485,14 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     params, opt_state, value = compiled(params, opt_state, x, y)
     train_loss.append(float(value))
     step_times.append(time.perf_counter() - start)
-    bar.set_postfix(
-      loss=f"{train_loss[-1]:.3f}",
-      tok_s=f"{x.size / step_times[-1]:,.0f}",
-      step_ms=f"{1e3 * step_times[-1]:.0f}",
-    )
+    stats = dict(loss=f"{train_loss[-1]:.3f}")
+    if args.stage:
+      grad_norms.append(float(opt_state.pre_clip_grad_norm))
+      stats["grad_norm"] = f"{grad_norms[-1]:.2f}"  # before clip_by_global_norm
+      if opt_state.loss_scale is not None:
+        stats["skipped"] = int(opt_state.skipped_steps)
+    stats |= dict(tok_s=f"{x.size / step_times[-1]:,.0f}", step_ms=f"{1e3 * step_times[-1]:.0f}")
+    bar.set_postfix(stats)
     if step % args.eval_every == 0 or step == args.steps:
       val_loss.append({"step": step, "loss": float(evaluate(params, *val_batch))})
       bar.write(
@@ -492,6 +522,8 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     "unigram_loss": baseline,
     "train_loss": train_loss,
     "val_loss": val_loss,
+    "pre_clip_grad_norm": grad_norms,
+    "skipped_steps": int(opt_state.skipped_steps) if args.stage else 0,
     "compile_seconds": compile_time,
     "step_seconds": step_seconds,
     "tokens_per_second": args.batch_size * args.seq_len / step_seconds,
