@@ -1,7 +1,9 @@
 """Checkpoints: round trips, restoring onto other device counts and stages, errors, crashes."""
 
+import gc
 import os
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +171,10 @@ def test_saving_a_state_of_another_spec_raises(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
+# When one read fails, Orbax's event loop closes while TensorStore still
+# completes the other reads, whose callbacks then find it closed: noise after
+# the error, reported as unraisable exceptions. Let them land in this test.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_a_damaged_checkpoint_raises_instead_of_restoring_part(tmp_path, damage):
   tx = make_tx(8, 3)
@@ -186,6 +192,8 @@ def test_a_damaged_checkpoint_raises_instead_of_restoring_part(tmp_path, damage)
     pytest.raises(ValueError, match=r"checkpoint step 0 .* could not be read in full"),
   ):
     checkpoints.restore()
+  time.sleep(1)
+  gc.collect()
 
 
 def test_a_checkpoint_without_its_layout_record_raises(tmp_path):

@@ -285,6 +285,14 @@ class CheckpointManager:
     self.spec = spec
     self._stored = describe(spec.stored)
     self._logical = describe(spec.logical)
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(spec.logical)[0]]
+    self._record = {
+      "leaves": {
+        name: {"keys": [key_name(key) for key in path], "shape": list(shape), "dtype": dtype}
+        for path, (name, (shape, dtype)) in zip(paths, self._logical.items(), strict=True)
+      },
+      "master_path": list(spec.master_path),
+    }
     policies = ocp.checkpoint_managers
     self._manager = orbax_manager(
       directory,
@@ -320,8 +328,9 @@ class CheckpointManager:
       ("spec", "state"),
       "Save the state the spec describes, or build the manager with that state's spec.",
     )
-    layout = {"leaves": self._logical, "master_path": list(self.spec.master_path)}
-    args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), layout=ocp.args.JsonSave(layout))
+    args = ocp.args.Composite(
+      state=ocp.args.PyTreeSave(state), layout=ocp.args.JsonSave(self._record)
+    )
     return self._manager.save(step, args=args, force=force)
 
   def restore(self, step: int | None = None) -> Any:
@@ -334,7 +343,7 @@ class CheckpointManager:
         read in full.
     """
     step, layout = read_layout(self._manager, step)
-    saved = {path: (tuple(shape), dtype) for path, (shape, dtype) in layout["leaves"].items()}
+    saved = {path: (tuple(leaf["shape"]), leaf["dtype"]) for path, leaf in layout["leaves"].items()}
     _mismatch(
       f"checkpoint step {step} in {self.directory} does not fit this manager's spec",
       self._logical,
@@ -351,15 +360,16 @@ class CheckpointManager:
     )
     args = ocp.args.PyTreeRestore(item=self.spec.stored, restore_args=restore_args)
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(state=args))
+      return self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
     except Exception as error:
       # Orbax's message ends with the whole TensorStore spec; its start says what failed.
       reason = f"{type(error).__name__}: {error}"[:400]
-      raise ValueError(
-        f"checkpoint step {step} in {self.directory} could not be read in full "
-        f"({reason} ...). It is damaged: restore another of {self.all_steps()}."
-      ) from error
-    return restored["state"]
+    # Raised outside the handler, so that Orbax's error and the unfinished reads
+    # its traceback holds are released now rather than at some later collection.
+    raise ValueError(
+      f"checkpoint step {step} in {self.directory} could not be read in full "
+      f"({reason} ...). It is damaged: restore another of {self.all_steps()}."
+    )
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or ``None``."""

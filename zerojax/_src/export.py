@@ -1,0 +1,198 @@
+"""A checkpoint's parameters as full-precision host arrays, or one ``.safetensors`` file.
+
+Offline: it needs the checkpoint directory, not the mesh that trained it.
+Each leaf is read alone, already unpadded, from the full-precision copy of the
+parameters the checkpoint recorded (the master copy when the training kept one
+apart), so host memory holds about one leaf at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import json
+import math
+import os
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from zerojax._src import checkpoint as checkpoint_lib
+
+_SAFETENSORS_DTYPES = {
+  "float64": "F64",
+  "float32": "F32",
+  "int64": "I64",
+  "int32": "I32",
+  "int16": "I16",
+  "int8": "I8",
+  "uint64": "U64",
+  "uint32": "U32",
+  "uint16": "U16",
+  "uint8": "U8",
+  "bool": "BOOL",
+}
+
+
+def full_precision(dtype: np.dtype) -> np.dtype:
+  """float32 for floating dtypes narrower than it; other dtypes unchanged."""
+  dtype = np.dtype(dtype)
+  if jax.dtypes.issubdtype(dtype, np.floating) and dtype.itemsize < 4:
+    return np.dtype(np.float32)
+  return dtype
+
+
+class _Leaf(NamedTuple):
+  keys: list[str | int]  # from the state's root
+  name: list[str | int]  # from the parameters' root
+  shape: tuple[int, ...]
+  dtype: np.dtype  # as saved
+
+
+@contextlib.contextmanager
+def _master_leaves(directory: str | os.PathLike, step: int | None):
+  """Yields the full-precision parameters' leaves, and a function that reads one."""
+  manager = checkpoint_lib.orbax_manager(
+    directory, read_only=True, create=False, save_interval_steps=0
+  )
+  with manager:
+    step, layout = checkpoint_lib.read_layout(manager, step)
+    prefix = layout["master_path"]
+    leaves = [
+      _Leaf(
+        leaf["keys"], leaf["keys"][len(prefix) :], tuple(leaf["shape"]), np.dtype(leaf["dtype"])
+      )
+      for leaf in layout["leaves"].values()
+      if leaf["keys"][: len(prefix)] == prefix
+    ]
+    yield leaves, functools.partial(_read, manager, step)
+
+
+def _read(manager: ocp.CheckpointManager, step: int, leaf: _Leaf) -> np.ndarray:
+  """One leaf on the host, in its logical shape (reading the logical region drops the padding)."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  restore_args = ocp.ArrayRestoreArgs(sharding=device, global_shape=leaf.shape, strict=False)
+  args = ocp.args.PyTreeRestore(
+    item=_nested(leaf.keys, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)),
+    restore_args=_nested(leaf.keys, restore_args),
+    partial_restore=True,
+  )
+  restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+  for key in leaf.keys:
+    restored = restored[key]
+  array = np.asarray(restored)
+  del restored
+  widened = array.astype(full_precision(array.dtype), copy=False)
+  del array
+  # Orbax's restore leaves reference cycles that hold the read buffer; without
+  # a collection it would live on into the next leaf's read.
+  gc.collect()
+  return widened
+
+
+def _nested(keys: list[str | int], value: Any) -> dict:
+  for key in reversed(keys):
+    value = {key: value}
+  return value
+
+
+def load_params(directory: str | os.PathLike, *, step: int | None = None) -> dict:
+  """The checkpoint's full-precision parameters, unpadded, as nested dicts of numpy arrays.
+
+  Args:
+    directory: a directory of ``zerojax`` checkpoints.
+    step: which checkpoint; the latest by default.
+
+  Returns:
+    The parameters (dict keys and indices of the training state's parameter
+    tree, nested), floating leaves in float32 or wider.
+
+  Example:
+    >>> import tempfile, jax, jax.numpy as jnp, optax, zerojax
+    >>> from zerojax._src.checkpoint import CheckpointManager, train_state_spec
+    >>> from zerojax._src.export import load_params
+    >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> full = {"w": jnp.ones((5, 1001), jnp.bfloat16)}
+    >>> params = tx.shard(full)
+    >>> directory = tempfile.mkdtemp()
+    >>> with CheckpointManager(directory, train_state_spec(tx, full)) as checkpoints:
+    ...   checkpoints.save(0, {"params": params, "opt_state": tx.init(params)})
+    True
+    >>> params = load_params(directory)
+    >>> params["w"].shape, params["w"].dtype
+    ((5, 1001), dtype('float32'))
+  """
+  params: dict = {}
+  with _master_leaves(directory, step) as (leaves, read):
+    for leaf in leaves:
+      node = params
+      for key in leaf.name[:-1]:
+        node = node.setdefault(key, {})
+      node[leaf.name[-1]] = read(leaf)
+  return params
+
+
+def export_safetensors(
+  directory: str | os.PathLike, path: str | os.PathLike, *, step: int | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
+  """Writes the checkpoint's full-precision parameters to one ``.safetensors`` file.
+
+  Leaves are read, converted and written one at a time (peak host memory is
+  about two of the largest leaf, whatever the model's size). A tensor's name
+  is its path in the parameters, keys joined with ``"."``; floating leaves are
+  written in float32 (or wider, if they are).
+
+  Args:
+    directory: a directory of ``zerojax`` checkpoints.
+    path: the file to write.
+    step: which checkpoint; the latest by default.
+
+  Returns:
+    ``{name: jax.ShapeDtypeStruct}`` of the tensors written.
+
+  Raises:
+    ValueError: for a dtype safetensors cannot hold.
+  """
+  with _master_leaves(directory, step) as (leaves, read):
+    # The header, which lists every tensor's offsets, comes first; the layout
+    # record gives the shapes, so the data can follow leaf by leaf.
+    tensors = {
+      ".".join(str(key) for key in leaf.name): jax.ShapeDtypeStruct(
+        leaf.shape, full_precision(leaf.dtype)
+      )
+      for leaf in leaves
+    }
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, struct in tensors.items():
+      size = math.prod(struct.shape) * struct.dtype.itemsize
+      header[name] = {
+        "dtype": _safetensors_dtype(name, struct.dtype),
+        "shape": list(struct.shape),
+        "data_offsets": [offset, offset + size],
+      }
+      offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as file:
+      file.write(len(encoded).to_bytes(8, "little"))
+      file.write(encoded)
+      for leaf in leaves:  # one expression, so that no leaf outlives its write
+        file.write(_little_endian(read(leaf)).data)
+  return tensors
+
+
+def _little_endian(array: np.ndarray) -> np.ndarray:
+  return np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
+
+
+def _safetensors_dtype(name: str, dtype: np.dtype) -> str:
+  if dtype.name not in _SAFETENSORS_DTYPES:
+    raise ValueError(
+      f"parameter {name} is {dtype.name}, which safetensors cannot hold; "
+      f"it holds {sorted(_SAFETENSORS_DTYPES)}."
+    )
+  return _SAFETENSORS_DTYPES[dtype.name]
