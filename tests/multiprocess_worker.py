@@ -1,0 +1,144 @@
+"""One process of a multi-process test job, started by ``python -m zerojax.launch``.
+
+``train OUT [RESTORE]``: for stages 1, 2 and 3 (explicit path), train
+``tests.models`` for a few steps on the global batch assembled with
+``global_batch``, then gather the parameters three ways and profile the step;
+save the stage-3 state to ``OUT/checkpoint`` and restore the one in
+``RESTORE/checkpoint``, if given; provoke ``global_batch``'s errors. Every process writes
+what it saw to ``OUT/p<process id>.npz`` and ``.json``. The test runs the same
+function in its own single process for the comparison. ``die``: train until
+process 1 kills itself with SIGKILL.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+
+import zerojax
+from tests import models
+from zerojax._src import checkpoint, distributed
+
+STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
+STEPS = 3
+
+
+def local_rows(batch):
+  """This process's equal, contiguous share of the global batch rows."""
+  rows = models.BATCH // jax.process_count()
+  start = jax.process_index() * rows
+  return tuple(np.asarray(x)[start : start + rows] for x in batch)
+
+
+def start(stage, mesh):
+  tx = STAGES[stage](optax.adam(1e-2), mesh=mesh)
+  params = tx.shard(models.make_params())
+  return tx, params, tx.init(params), models.explicit_step(tx)
+
+
+def flat(prefix, tree):
+  """``{prefix + path: leaf}`` for every leaf of ``tree``."""
+  return {
+    prefix + jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
+
+
+def checkpoint_spec(mesh):
+  """The spec of the stage-3 training state that ``train`` saves."""
+  tx = STAGES[3](optax.adam(1e-2), mesh=mesh)
+  return checkpoint.train_state_spec(tx, models.make_params())
+
+
+def save(mesh, state, out: Path):
+  """Saves ``state`` to ``out/checkpoint``; returns its arrays, whole, padding included."""
+  with checkpoint.CheckpointManager(out / "checkpoint", checkpoint_spec(mesh)) as manager:
+    manager.save(STEPS, state)
+  return flat("checkpoint/saved", multihost_utils.process_allgather(state, tiled=True))
+
+
+def restore_from(mesh, directory: Path):
+  """The state in ``directory/checkpoint``, restored onto ``mesh``, as whole arrays."""
+  with checkpoint.CheckpointManager(directory / "checkpoint", checkpoint_spec(mesh)) as manager:
+    return flat(
+      "checkpoint/restored", multihost_utils.process_allgather(manager.restore(), tiled=True)
+    )
+
+
+def train(out: Path, restore: Path | None = None) -> None:
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  batch = distributed.global_batch(local_rows(models.make_batch()), mesh)
+  arrays = flat("batch", multihost_utils.process_allgather(batch, tiled=True))
+  report = {"process_count": jax.process_count(), "stages": {}}
+  for stage in STAGES:
+    tx, params, state, step = start(stage, mesh)
+    losses = []
+    for _ in range(STEPS):
+      params, state, loss = step(params, state, *batch)
+      losses.append(float(loss))
+    to_zero = distributed.gather_to_host(tx, params, process=0)
+    # A tiny piece size, so that stacked and big leaves go a block of rows at a time.
+    to_all = distributed.gather_to_host(tx, params, process=None, max_piece_bytes=256)
+    gathered = jax.tree.map(np.asarray, tx.gather(params))
+    arrays.update(flat(f"{stage}/tx.gather", gathered) | flat(f"{stage}/to_all", to_all))
+    if to_zero is not None:
+      arrays.update(flat(f"{stage}/to_zero", to_zero))
+    profile = zerojax.profile(step, params, state, *batch)
+    report["stages"][stage] = {
+      "losses": losses,
+      "received_to_zero": to_zero is not None,
+      "argument_bytes": profile.argument_bytes,
+      "collectives": {kind: [c.count, c.bytes] for kind, c in profile.collectives.items()},
+    }
+  arrays.update(save(mesh, {"params": params, "opt_state": state}, out))
+  if restore is not None:
+    arrays.update(restore_from(mesh, restore))
+  report["errors"] = batch_errors(mesh)
+  np.savez(out / f"p{jax.process_index()}.npz", **arrays)
+  (out / f"p{jax.process_index()}.json").write_text(json.dumps(report))
+
+
+def batch_errors(mesh):
+  """The messages of ``global_batch`` for rows that do not divide, and for processes that differ."""
+  errors = {}
+  rows = jax.local_device_count()
+  cases = {"indivisible": np.zeros((rows + 1, 3), np.float32)}
+  if jax.process_count() > 1:
+    cases["mismatch"] = np.zeros((rows * (1 + jax.process_index()), 3), np.float32)
+  for name, local in cases.items():
+    try:
+      distributed.global_batch(local, mesh)
+    except ValueError as error:
+      errors[name] = str(error)
+  return errors
+
+
+def die() -> None:
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  batch = distributed.global_batch(local_rows(models.make_batch()), mesh)
+  _, params, state, step = start(3, mesh)
+  for count in range(10**6):
+    params, state, loss = step(params, state, *batch)
+    print(f"step {count}: loss {float(loss):.4f}", flush=True)
+    if count == 1 and jax.process_index() == 1:
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("mode", choices=["train", "die"])
+  parser.add_argument("out", type=Path, nargs="?")
+  parser.add_argument("restore", type=Path, nargs="?")
+  args = parser.parse_args(argv)
+  distributed.initialize(heartbeat_timeout=20, collective_timeout=60)
+  train(args.out, args.restore) if args.mode == "train" else die()
+
+
+if __name__ == "__main__":
+  sys.exit(main())

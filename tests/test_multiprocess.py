@@ -1,0 +1,190 @@
+"""Multi-process runs: 2 processes x 4 CPU devices against this 1 process x 8, and the launcher.
+
+The 2-process job runs ``tests/multiprocess_worker.py`` under ``python -m
+zerojax.launch`` on loopback; this process runs the same worker function on its
+own 8 devices. Each writes what it saw, and the tests compare.
+"""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from tests import models, multiprocess_worker
+from zerojax._src import launch
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = "tests/multiprocess_worker.py"
+STAGES = (1, 2, 3)
+
+
+def run_launcher(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+  """``python -m zerojax.launch ARGS`` from the repository root."""
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  return subprocess.run(
+    [sys.executable, "-m", "zerojax.launch", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+def load(out: Path, process: int):
+  with np.load(out / f"p{process}.npz") as arrays:
+    return dict(arrays), json.loads((out / f"p{process}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """``{1: [process 0's results], 2: [process 0's, process 1's]}``.
+
+  This process trains first and saves a checkpoint; the 2-process job restores
+  it (1 -> 2) and saves its own, which this process then restores (2 -> 1).
+  """
+  one, two = tmp_path_factory.mktemp("1x8"), tmp_path_factory.mktemp("2x4")
+  multiprocess_worker.train(one)
+  done = run_launcher(
+    "-n", "2", "--devices-per-process", "4", "--timeout", "120", WORKER, "train", str(two), str(one)
+  )
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+  arrays, report = load(one, 0)
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  arrays.update(multiprocess_worker.restore_from(mesh, two))
+  return {1: [(arrays, report)], 2: [load(two, 0), load(two, 1)]}
+
+
+def assert_trees_close(actual: dict, expected: dict, prefix: str, atol: float) -> None:
+  keys = sorted(k for k in expected if k.startswith(prefix))
+  assert keys, f"nothing saved under {prefix}"
+  assert sorted(k for k in actual if k.startswith(prefix)) == keys
+  for key in keys:
+    np.testing.assert_allclose(actual[key], expected[key], rtol=0, atol=atol, err_msg=key)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_processes_train_like_one(runs, stage):
+  (one_arrays, one), (two_arrays, two) = runs[1][0], runs[2][0]
+  assert (one["process_count"], two["process_count"]) == (1, 2)
+  np.testing.assert_allclose(
+    two["stages"][str(stage)]["losses"], one["stages"][str(stage)]["losses"], rtol=0, atol=1e-6
+  )
+  assert_trees_close(two_arrays, one_arrays, f"{stage}/to_zero", atol=1e-6)
+
+
+def test_global_batch_joins_the_processes_rows_in_order(runs):
+  for arrays, _ in (*runs[1], *runs[2]):
+    assert_trees_close(arrays, multiprocess_worker.flat("batch", models.make_batch()), "batch", 0)
+
+
+def test_one_process_trains_like_plain_optax(runs):
+  arrays, _ = runs[1][0]
+  expected = models.reference(
+    optax.adam(1e-2), models.make_params(), models.make_batch(), multiprocess_worker.STEPS
+  )
+  for key, leaf in multiprocess_worker.flat("3/to_zero", expected).items():
+    np.testing.assert_allclose(arrays[key], leaf, rtol=2e-5, atol=2e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_gathers_agree_and_reach_only_their_process(runs, stage):
+  (first, first_report), (second, second_report) = runs[2]
+  for arrays in (first, second):
+    assert_trees_close(arrays, first, f"{stage}/to_all", atol=0)
+    to_all = {k.replace("to_all", "tx.gather"): v for k, v in arrays.items() if "/to_all" in k}
+    assert_trees_close(to_all, arrays, f"{stage}/tx.gather", atol=0)
+  renamed = {k.replace("to_zero", "to_all"): v for k, v in first.items()}
+  assert_trees_close(renamed, first, f"{stage}/to_all", atol=0)
+  assert first_report["stages"][str(stage)]["received_to_zero"]
+  assert not second_report["stages"][str(stage)]["received_to_zero"]
+  assert not [k for k in second if "to_zero" in k]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_profile_is_the_same_per_device(runs, stage):
+  one, two = runs[1][0][1]["stages"][str(stage)], runs[2][0][1]["stages"][str(stage)]
+  assert two["argument_bytes"] == one["argument_bytes"]
+  assert two["collectives"] == one["collectives"]
+  assert two["collectives"]["reduce-scatter"][0] > 0
+
+
+def test_checkpoints_move_between_one_and_two_processes(runs):
+  one, two = runs[1][0][0], runs[2][0][0]
+  # Saved by this process, restored by the 2-process job; and back.
+  restored_by_two = {k.replace("restored", "saved"): v for k, v in two.items()}
+  assert_trees_close(restored_by_two, one, "checkpoint/saved", atol=0)
+  restored_by_one = {k.replace("restored", "saved"): v for k, v in one.items()}
+  assert_trees_close(restored_by_one, two, "checkpoint/saved", atol=0)
+
+
+def test_global_batch_names_what_is_wrong(runs):
+  for process in (0, 1):
+    errors = runs[2][process][1]["errors"]
+    assert "must divide by the 4 devices this process has" in errors["indivisible"]
+    assert "process(es) [1] passed another structure, shapes or dtypes" in errors["mismatch"]
+    assert (
+      f"Process {process} passed {{(root): ({4 * (1 + process)}, 3) float32}}"
+      in (errors["mismatch"])
+    )
+
+
+def test_launcher_stops_everyone_when_one_process_dies():
+  begin = time.monotonic()
+  done = run_launcher("-n", "2", "--devices-per-process", "4", WORKER, "die", timeout=90)
+  elapsed = time.monotonic() - begin
+  assert done.returncode == 128 + signal.SIGKILL, done.stderr[-3000:]
+  assert "process 1 (pid" in done.stderr and "was killed by signal SIGKILL" in done.stderr
+  assert "[p0] step 1: loss" in done.stdout
+  assert elapsed < 60
+
+
+def test_launcher_reports_the_first_failure():
+  code = "import os, sys, time; p = os.environ['ZEROJAX_PROCESS_ID']; "
+  code += "sys.exit(3) if p == '1' else time.sleep(60)"
+  err = io.StringIO()
+  begin = time.monotonic()
+  status = launch.launch(
+    [sys.executable, "-c", code], num_processes=3, stdout=io.StringIO(), stderr=err
+  )
+  assert status == 3
+  assert "process 1 (pid" in err.getvalue() and "exited with code 3" in err.getvalue()
+  assert "stopping the 2 other running process(es)" in err.getvalue()
+  assert time.monotonic() - begin < 30
+
+
+def test_launcher_times_out():
+  err = io.StringIO()
+  code = "import time; time.sleep(60)"
+  status = launch.launch(
+    [sys.executable, "-c", code], num_processes=2, timeout=1, stdout=io.StringIO(), stderr=err
+  )
+  assert status == 124
+  assert "timed out after 1 s" in err.getvalue()
+
+
+def test_launcher_forwards_ctrl_c(tmp_path):
+  script = tmp_path / "wait.py"
+  script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
+  launcher = subprocess.Popen(
+    [sys.executable, "-m", "zerojax.launch", "-n", "2", str(script)],
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  ready = [launcher.stdout.readline() for _ in range(2)]
+  assert sorted(ready) == ["[p0] ready\n", "[p1] ready\n"]
+  launcher.send_signal(signal.SIGINT)
+  _, stderr = launcher.communicate(timeout=30)
+  assert launcher.returncode == 130
+  assert "got SIGINT; stopping all 2 processes" in stderr
