@@ -104,7 +104,8 @@ def _block(layer: dict[str, jax.Array], h: jax.Array, heads: int) -> jax.Array:
   b, s, d = h.shape
   q, k, v = jnp.split(_rms_norm(h, layer["norm1"]) @ layer["qkv"], 3, axis=-1)
   q, k, v = (t.reshape(b, s, heads, d // heads) for t in (q, k, v))
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads)
+  # A Python float keeps the compute dtype (a NumPy scalar would promote bf16 to fp32).
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / float(np.sqrt(d // heads))
   scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
   attention = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
   h = h + attention.reshape(b, s, d) @ layer["out"]
@@ -135,7 +136,7 @@ def make_loss(config: ModelConfig, activations: NamedSharding | None = None) -> 
     scan_body = jax.checkpoint(layer_step, policy=zerojax.remat_policy)
     h, _ = jax.lax.scan(scan_body, h, params["layers"])
     h = _rms_norm(constrain(h), zerojax.gather(params["norm"]))
-    logits = h @ zerojax.gather(params["head"])
+    logits = (h @ zerojax.gather(params["head"])).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
   return loss
