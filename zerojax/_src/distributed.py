@@ -203,7 +203,7 @@ def global_batch(
         f"local batch leaf {jax.tree_util.keystr(path) or '(root)'} has shape {shape}: its "
         f"leading dimension must divide by the {shards} devices this process has along mesh "
         f"axis {axis_name!r}. Give each process a multiple of {shards} rows (the global batch "
-        f"is {jax.process_count()} processes' rows together)."
+        "is every process's rows together)."
       )
   sharding = NamedSharding(mesh, P(axis_name))
   return jax.tree.map(
