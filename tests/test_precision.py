@@ -254,3 +254,17 @@ def test_state_of_another_policy_is_refused(mesh):
   grads = jax.tree.map(jnp.zeros_like, models.make_params())
   with pytest.raises(ValueError, match="another precision policy"):
     tx.update(grads, state, params)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_drop_in_path_keeps_the_master_copy(stage, mesh):
+  # Stages 1-2 store bf16 parameters, so a plain jax.grad step computes in bf16
+  # while the fp32 master copy lives, sharded, in the optimizer state.
+  tx, params, state = start(stage, mesh, optax.sgd(0.1), "bf16")
+  step = jax.jit(models.drop_in_step(tx))
+  for _ in range(3):
+    params, state, _ = step(params, state, *models.make_batch())
+  master = tx.gather(tx.master_params(params, state))
+  jax.tree.map(
+    lambda a, e: np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-3), master, bf16_reference()
+  )

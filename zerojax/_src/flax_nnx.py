@@ -53,6 +53,7 @@ def nnx_value_and_grad(
   *,
   has_aux: bool = False,
   gather: bool = True,
+  microbatches: int = 1,
 ) -> Callable[..., Any]:
   """``zerojax.value_and_grad`` for a loss of an NNX model, like ``nnx.value_and_grad``.
 
@@ -80,6 +81,9 @@ def nnx_value_and_grad(
       which works with any model. If False, its parameters are
       ``zerojax.Shard`` s, and the model gathers each submodule where it uses
       it with ``nnx_gathered`` (stage 3's memory saving, layer by layer).
+    microbatches: as for ``zerojax.value_and_grad``. (A policy with a loss
+      scale needs the explicit ``zerojax.value_and_grad``, which is given the
+      optimizer state; other precision policies work here.)
 
   Returns:
     ``f(model, *batch)`` returning ``(loss, grads)``, or ``((loss, aux),
@@ -112,6 +116,9 @@ def nnx_value_and_grad(
       params = collectives.gather(params) if gather else params
       return loss_fn(nnx.merge(graphdef, params, rest), *batch)
 
-    return grad_lib.value_and_grad(loss_of_params, tx, has_aux=has_aux)(params, *batch)
+    grad_fn = grad_lib.value_and_grad(
+      loss_of_params, tx, has_aux=has_aux, microbatches=microbatches
+    )
+    return grad_fn(params, *batch)
 
   return value_and_grad_fn
