@@ -253,3 +253,28 @@ def test_a_run_killed_mid_save_resumes_to_the_same_params(tmp_path):
   assert sorted(whole) == sorted(resumed) == ["big", "w"]
   for name in whole:
     np.testing.assert_array_equal(resumed[name], whole[name], strict=True)
+
+
+def test_loss_scale_and_master_copy_restore_onto_other_device_counts(tmp_path):
+  def spec_and_state(num_devices, stage):
+    mesh = make_tx(num_devices, stage).mesh
+    tx = STAGES[stage](optax.adam(1e-2), mesh=mesh, precision="fp16")
+    return tx, train_state_spec(tx, MODEL)
+
+  tx, spec = spec_and_state(8, 2)
+  full = {name: jnp.full(x.shape, 0.5, x.dtype) for name, x in MODEL.items()}
+  state = {"params": tx.shard(full), "opt_state": tx.init(full)}
+  assert state["opt_state"].loss_scale is not None and state["opt_state"].master is not None
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    checkpoints.save(0, state)
+  _, spec4 = spec_and_state(4, 2)
+  with CheckpointManager(tmp_path, spec4) as checkpoints:
+    restored = checkpoints.restore()
+  assert_same(logical_values(restored, spec4), logical_values(state, spec))
+  # Stage 3 keeps no separate master copy: the restore names it rather than guessing.
+  _, spec3 = spec_and_state(8, 3)
+  with (
+    CheckpointManager(tmp_path, spec3) as checkpoints,
+    pytest.raises(ValueError, match=r"\['opt_state'\]\.master\['w'\]: in the checkpoint, not in"),
+  ):
+    checkpoints.restore()
