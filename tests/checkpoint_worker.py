@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 import zerojax
-from zerojax._src.checkpoint import CheckpointManager, train_state_spec
+from zerojax import CheckpointManager, train_state_spec
 
 # About 6 MiB of state with Adam, so that a save takes long enough to be caught.
 MODEL = {

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax._src.checkpoint import CheckpointManager, train_state_spec
+from zerojax import CheckpointManager, train_state_spec
 
 STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
 WORKER = pathlib.Path(__file__).with_name("checkpoint_worker.py")

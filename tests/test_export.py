@@ -9,8 +9,7 @@ import numpy as np
 import optax
 
 import zerojax
-from zerojax._src.checkpoint import CheckpointManager, train_state_spec
-from zerojax._src.export import export_safetensors, load_params
+from zerojax import CheckpointManager, export_safetensors, load_params, train_state_spec
 
 
 def read_safetensors(path):

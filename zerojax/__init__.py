@@ -1,7 +1,9 @@
 """zerojax: ZeRO stages 1, 2 and 3 for JAX, as Optax transformations."""
 
+from zerojax._src.checkpoint import CheckpointManager, StateSpec, train_state_spec
 from zerojax._src.collectives import Shard, gather, remat_policy
 from zerojax._src.estimate import MemoryEstimate, estimate_memory, estimate_tree_memory
+from zerojax._src.export import export_safetensors, load_params
 from zerojax._src.grad import value_and_grad
 from zerojax._src.hlo import Collective, count_collectives
 from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
@@ -13,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = (
   "DEFAULT_MIN_SHARD_SIZE",
+  "CheckpointManager",
   "Collective",
   "DynamicLossScale",
   "Layout",
@@ -21,6 +24,7 @@ __all__ = (
   "MemoryEstimate",
   "Precision",
   "Shard",
+  "StateSpec",
   "StepProfile",
   "ZeroState",
   "ZeroTransformation",
@@ -28,9 +32,12 @@ __all__ = (
   "default_shard_dim",
   "estimate_memory",
   "estimate_tree_memory",
+  "export_safetensors",
   "gather",
+  "load_params",
   "profile",
   "remat_policy",
+  "train_state_spec",
   "value_and_grad",
   "zero1",
   "zero2",

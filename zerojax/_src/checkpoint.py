@@ -74,10 +74,9 @@ def train_state_spec(tx: zero_lib.ZeroTransformation, params: Any, **extras: Any
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zerojax
-    >>> from zerojax._src.checkpoint import train_state_spec
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
-    >>> spec = train_state_spec(tx, {"w": jnp.zeros((5, 1001))}, step=jnp.int32(0))
+    >>> spec = zerojax.train_state_spec(tx, {"w": jnp.zeros((5, 1001))}, step=jnp.int32(0))
     >>> spec.stored["params"]["w"].shape, spec.logical["params"]["w"].shape
     ((5, 1008), (5, 1001))
     >>> spec.stored["params"]["w"].sharding.spec
@@ -255,20 +254,20 @@ class CheckpointManager:
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp, optax, zerojax
-    >>> from zerojax._src.checkpoint import CheckpointManager, train_state_spec
     >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
     >>> full = {"w": jnp.ones((5, 1001))}
     >>> params = tx.shard(full)
     >>> state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(7)}
-    >>> spec = train_state_spec(tx, full, step=state["step"])
+    >>> spec = zerojax.train_state_spec(tx, full, step=state["step"])
     >>> directory = tempfile.mkdtemp()
-    >>> with CheckpointManager(directory, spec) as checkpoints:
+    >>> with zerojax.CheckpointManager(directory, spec) as checkpoints:
     ...   checkpoints.save(7, state)
     True
     >>> mesh2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     >>> tx2 = zerojax.zero1(optax.adam(1e-3), mesh=mesh2)
-    >>> with CheckpointManager(directory, train_state_spec(tx2, full, step=state["step"])) as c:
-    ...   restored = c.restore()
+    >>> spec2 = zerojax.train_state_spec(tx2, full, step=state["step"])
+    >>> with zerojax.CheckpointManager(directory, spec2) as checkpoints:
+    ...   restored = checkpoints.restore()
     >>> restored["params"]["w"].shape, int(restored["step"])
     ((5, 1001), 7)
   """

@@ -112,16 +112,15 @@ def load_params(directory: str | os.PathLike, *, step: int | None = None) -> dic
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp, optax, zerojax
-    >>> from zerojax._src.checkpoint import CheckpointManager, train_state_spec
-    >>> from zerojax._src.export import load_params
     >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
     >>> full = {"w": jnp.ones((5, 1001), jnp.bfloat16)}
     >>> params = tx.shard(full)
     >>> directory = tempfile.mkdtemp()
-    >>> with CheckpointManager(directory, train_state_spec(tx, full)) as checkpoints:
+    >>> spec = zerojax.train_state_spec(tx, full)
+    >>> with zerojax.CheckpointManager(directory, spec) as checkpoints:
     ...   checkpoints.save(0, {"params": params, "opt_state": tx.init(params)})
     True
-    >>> params = load_params(directory)
+    >>> params = zerojax.load_params(directory)
     >>> params["w"].shape, params["w"].dtype
     ((5, 1001), dtype('float32'))
   """
