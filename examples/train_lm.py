@@ -24,6 +24,14 @@ sharding is real. Usage::
   python examples/train_lm.py --stage 0                       # replicated baseline
   python examples/train_lm.py --model tiny --steps 20 --stage 2
   python examples/train_lm.py --model medium --devices 8      # on 8 accelerators
+  python examples/train_lm.py --checkpoint-dir ckpt --resume  # save every 100 steps; resume
+
+With ``--checkpoint-dir`` the training state (parameters, optimizer state with
+its master copy and loss scale, step) is saved as sharded arrays every
+``--save-every`` steps and at the end, keeping the last ``--keep``; ``--resume``
+continues from the latest one, on any device count and stage. Batches are a
+function of the seed and the step number, so a resumed run trains on exactly
+the batches an uninterrupted run would.
 
 From Python, ``main(["--model", "tiny", "--steps", "20"])`` returns the metrics.
 """
@@ -120,6 +128,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     default=1,
     help="micro-batches accumulated per step, per device (stages 1-3)",
   )
+  parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save checkpoints here")
+  parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
+  parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+  parser.add_argument(
+    "--resume", action="store_true", help="continue from the latest checkpoint, if there is one"
+  )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--eval-every", type=int, default=100, help="steps between validations")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out"))
@@ -135,6 +149,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
   if args.stage == 0 and (args.precision != "fp32" or args.microbatches != 1):
     parser.error("--precision and --microbatches apply to stages 1-3 (zerojax)")
+  if args.stage == 0 and args.checkpoint_dir:
+    parser.error("--checkpoint-dir applies to stages 1-3 (zerojax)")
+  if args.resume and not args.checkpoint_dir:
+    parser.error("--resume needs --checkpoint-dir")
   return args
 
 
@@ -288,12 +306,14 @@ class Setup(NamedTuple):
       which donates the parameters and the optimizer state.
     gather: stored parameters -> full, replicated parameters (also usable
       inside ``jax.jit``).
+    tx: the zerojax transformation (``None`` for stage 0).
   """
 
   place: Callable[[Any], Any]
   init: Callable[[Any], Any]
   step: jax.stages.Wrapped
   gather: Callable[[Any], Any]
+  tx: zerojax.ZeroTransformation | None
 
 
 def make_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
@@ -322,7 +342,7 @@ def make_setup(
   if stage == 0:
     plain_grad_fn = jax.value_and_grad(loss)
     grad_fn = lambda params, x, y, opt_state: plain_grad_fn(params, x, y)
-    tx = optimizer
+    tx = None
     place = lambda params: jax.device_put(params, NamedSharding(mesh, P()))
     init, gather = jax.jit(optimizer.init), lambda params: params
   else:
@@ -336,10 +356,10 @@ def make_setup(
   def step(params, opt_state, x, y):
     # The optimizer state carries the fp16 loss scale (and is ignored by stage 0).
     value, grads = grad_fn(params, x, y, opt_state=opt_state)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = (tx or optimizer).update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
-  return Setup(place, init, jax.jit(step, donate_argnums=(0, 1)), gather)
+  return Setup(place, init, jax.jit(step, donate_argnums=(0, 1)), gather, tx)
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -440,9 +460,10 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   count = EVAL_BATCHES * args.batch_size
   val_starts = np.linspace(0, len(val_data) - args.seq_len - 1, count).astype(int)
   val_batch = jax.device_put(windows(val_data, val_starts, args.seq_len), batch_sharding)
-  rng = np.random.default_rng([args.seed, 1])
 
-  def train_batch():
+  def train_batch(step):
+    # A function of the step alone, so that a resumed run sees the same batches.
+    rng = np.random.default_rng([args.seed, 1, step])
     starts = rng.integers(0, len(train_data) - args.seq_len - 1, args.batch_size)
     return jax.device_put(windows(train_data, starts, args.seq_len), batch_sharding)
 
@@ -456,6 +477,16 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   # The optimizer state (with the fp32 master copy) first: placing may round to --precision.
   opt_state = setup.init(initial)
   params = setup.place(initial)
+  checkpoints, first_step = None, 1
+  if args.checkpoint_dir:
+    spec = zerojax.train_state_spec(setup.tx, initial, step=np.int32(0))
+    checkpoints = zerojax.CheckpointManager(
+      args.checkpoint_dir, spec, max_to_keep=args.keep, save_interval_steps=args.save_every
+    )
+    if args.resume and checkpoints.latest_step() is not None:
+      state = checkpoints.restore()
+      params, opt_state, first_step = state["params"], state["opt_state"], int(state["step"]) + 1
+      print(f"resumed from step {first_step - 1} in {args.checkpoint_dir}")
 
   @jax.jit
   def evaluate(params, x, y):
@@ -471,16 +502,22 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
 
   # Compiled ahead of time: the loop calls this one executable, which refuses
   # (rather than silently recompiles for) arguments of another shape or sharding.
-  example = train_batch()
+  example = train_batch(0)
   start = time.perf_counter()
   compiled = setup.step.lower(params, opt_state, *example).compile()
   compile_time = time.perf_counter() - start
   memory = {f"stage {args.stage}": memory_stats(compiled, params, opt_state)}
 
   train_loss, val_loss, step_times, grad_norms = [], [], [], []
-  bar = tqdm(range(1, args.steps + 1), desc=f"ZeRO-{args.stage}", dynamic_ncols=True)
+  bar = tqdm(
+    range(first_step, args.steps + 1),
+    desc=f"ZeRO-{args.stage}",
+    dynamic_ncols=True,
+    initial=first_step - 1,
+    total=args.steps,
+  )
   for step in bar:
-    x, y = train_batch()
+    x, y = train_batch(step)
     start = time.perf_counter()
     params, opt_state, value = compiled(params, opt_state, x, y)
     train_loss.append(float(value))
@@ -499,7 +536,14 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
         f"step {step}: train {train_loss[-1]:.3f}, validation {val_loss[-1]['loss']:.3f} "
         f"(unigram {baseline:.3f}) nats/byte"
       )
+    if checkpoints:
+      state = {"params": params, "opt_state": opt_state, "step": np.int32(step)}
+      state["step"] = jax.device_put(state["step"], NamedSharding(mesh, P()))
+      checkpoints.save(step, state, force=step == args.steps)
   bar.close()
+  if checkpoints:
+    checkpoints.close()  # waits for the last save
+    print(f"checkpoints {checkpoints.all_steps()} in {args.checkpoint_dir}")
 
   full_params = setup.gather(params)
   if args.stage:
@@ -518,8 +562,10 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   metrics = {
     "config": dataclasses.asdict(preset)
     | vars(args)
-    | {"out": str(args.out), "n_params": n_params, "platform": platform},
+    | {"out": str(args.out), "checkpoint_dir": args.checkpoint_dir and str(args.checkpoint_dir)}
+    | {"n_params": n_params, "platform": platform},
     "unigram_loss": baseline,
+    "first_step": first_step,
     "train_loss": train_loss,
     "val_loss": val_loss,
     "pre_clip_grad_norm": grad_norms,

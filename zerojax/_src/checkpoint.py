@@ -19,12 +19,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax._src import zero as zero_lib
-
-_STAGES = {1: zero_lib.zero1, 2: zero_lib.zero2, 3: zero_lib.zero3}
 
 #: How a leaf is described in a checkpoint: its logical shape and dtype name.
 LeafInfo = tuple[tuple[int, ...], str]
@@ -94,14 +92,8 @@ def train_state_spec(tx: zero_lib.ZeroTransformation, params: Any, **extras: Any
     "opt_state": _placed(jax.eval_shape(tx.init, master), tx.state_shardings(master)),
     **{name: _placed(x, replicated) for name, x in extras.items()},
   }
-  # On one device nothing is padded, so the same transformation there stores
-  # every leaf in its logical shape.
-  alone = _on_one_device(tx)
-  logical = {
-    "params": jax.eval_shape(alone.shard, master),
-    "opt_state": jax.eval_shape(alone.init, master),
-    **extras,
-  }
+  logical_params, logical_state = tx.logical_shapes(master)
+  logical = {"params": logical_params, "opt_state": logical_state, **extras}
   master_params = tx.master_params(stored["params"], stored["opt_state"])
   return StateSpec(stored, logical, _path_of(stored, master_params))
 
@@ -124,11 +116,6 @@ def _placed(structs: Any, shardings: Any) -> Any:
     structs,
     shardings,
   )
-
-
-def _on_one_device(tx: zero_lib.ZeroTransformation) -> zero_lib.ZeroTransformation:
-  mesh = Mesh(np.array(jax.local_devices()[:1]), (tx.axis_name,))
-  return _STAGES[tx.stage](tx.inner, mesh=mesh, axis_name=tx.axis_name, precision=tx.precision)
 
 
 def _path_of(tree: Any, subtree: Any) -> tuple[str | int, ...]:

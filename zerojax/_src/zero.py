@@ -143,6 +143,21 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       lambda spec: NamedSharding(self.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
     )
 
+  def logical_shapes(self, params: optax.Params) -> tuple[Any, ZeroState]:
+    """``jax.ShapeDtypeStruct`` s of the stored parameters and state, without the padding.
+
+    What the training state is whatever the device count: checkpoints record
+    it, and restore across device counts and stages where it agrees.
+    """
+    plans = self._planner.plans(params)
+    logical = lambda layout: layout.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    state = ZeroState(
+      inner_state=logical(plans.state),
+      master=None if plans.master is None else logical(plans.master),
+      **jax.eval_shape(lambda: bookkeeping(self.precision)),
+    )
+    return logical(plans.params), state
+
   def layout(self, params: optax.Params) -> layout_lib.Layout:
     """The plan: how each leaf of ``params`` is split (see ``zerojax.Layout``)."""
     return self._planner.plans(params).sharded
