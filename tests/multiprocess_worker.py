@@ -24,7 +24,6 @@ from jax.experimental import multihost_utils
 
 import zerojax
 from tests import models
-from zerojax._src import checkpoint, distributed
 
 STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
 STEPS = 3
@@ -53,19 +52,19 @@ def flat(prefix, tree):
 def checkpoint_spec(mesh):
   """The spec of the stage-3 training state that ``train`` saves."""
   tx = STAGES[3](optax.adam(1e-2), mesh=mesh)
-  return checkpoint.train_state_spec(tx, models.make_params())
+  return zerojax.train_state_spec(tx, models.make_params())
 
 
 def save(mesh, state, out: Path):
   """Saves ``state`` to ``out/checkpoint``; returns its arrays, whole, padding included."""
-  with checkpoint.CheckpointManager(out / "checkpoint", checkpoint_spec(mesh)) as manager:
+  with zerojax.CheckpointManager(out / "checkpoint", checkpoint_spec(mesh)) as manager:
     manager.save(STEPS, state)
   return flat("checkpoint/saved", multihost_utils.process_allgather(state, tiled=True))
 
 
 def restore_from(mesh, directory: Path):
   """The state in ``directory/checkpoint``, restored onto ``mesh``, as whole arrays."""
-  with checkpoint.CheckpointManager(directory / "checkpoint", checkpoint_spec(mesh)) as manager:
+  with zerojax.CheckpointManager(directory / "checkpoint", checkpoint_spec(mesh)) as manager:
     return flat(
       "checkpoint/restored", multihost_utils.process_allgather(manager.restore(), tiled=True)
     )
@@ -73,7 +72,7 @@ def restore_from(mesh, directory: Path):
 
 def train(out: Path, restore: Path | None = None) -> None:
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  batch = distributed.global_batch(local_rows(models.make_batch()), mesh)
+  batch = zerojax.global_batch(local_rows(models.make_batch()), mesh)
   arrays = flat("batch", multihost_utils.process_allgather(batch, tiled=True))
   report = {"process_count": jax.process_count(), "stages": {}}
   for stage in STAGES:
@@ -82,9 +81,9 @@ def train(out: Path, restore: Path | None = None) -> None:
     for _ in range(STEPS):
       params, state, loss = step(params, state, *batch)
       losses.append(float(loss))
-    to_zero = distributed.gather_to_host(tx, params, process=0)
+    to_zero = zerojax.gather_to_host(tx, params, process=0)
     # A tiny piece size, so that stacked and big leaves go a block of rows at a time.
-    to_all = distributed.gather_to_host(tx, params, process=None, max_piece_bytes=256)
+    to_all = zerojax.gather_to_host(tx, params, process=None, max_piece_bytes=256)
     gathered = jax.tree.map(np.asarray, tx.gather(params))
     arrays.update(flat(f"{stage}/tx.gather", gathered) | flat(f"{stage}/to_all", to_all))
     if to_zero is not None:
@@ -113,7 +112,7 @@ def batch_errors(mesh):
     cases["mismatch"] = np.zeros((rows * (1 + jax.process_index()), 3), np.float32)
   for name, local in cases.items():
     try:
-      distributed.global_batch(local, mesh)
+      zerojax.global_batch(local, mesh)
     except ValueError as error:
       errors[name] = str(error)
   return errors
@@ -121,7 +120,7 @@ def batch_errors(mesh):
 
 def die() -> None:
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  batch = distributed.global_batch(local_rows(models.make_batch()), mesh)
+  batch = zerojax.global_batch(local_rows(models.make_batch()), mesh)
   _, params, state, step = start(3, mesh)
   for count in range(10**6):
     params, state, loss = step(params, state, *batch)
@@ -136,7 +135,7 @@ def main(argv=None) -> None:
   parser.add_argument("out", type=Path, nargs="?")
   parser.add_argument("restore", type=Path, nargs="?")
   args = parser.parse_args(argv)
-  distributed.initialize(heartbeat_timeout=20, collective_timeout=60)
+  zerojax.initialize(heartbeat_timeout=20, collective_timeout=60)
   train(args.out, args.restore) if args.mode == "train" else die()
 
 

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 from tests import models, multiprocess_worker
-from zerojax._src import launch
+from zerojax import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = "tests/multiprocess_worker.py"

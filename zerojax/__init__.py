@@ -2,6 +2,7 @@
 
 from zerojax._src.checkpoint import CheckpointManager, StateSpec, train_state_spec
 from zerojax._src.collectives import Shard, gather, remat_policy
+from zerojax._src.distributed import gather_to_host, global_batch, initialize
 from zerojax._src.estimate import MemoryEstimate, estimate_memory, estimate_tree_memory
 from zerojax._src.export import export_safetensors, load_params
 from zerojax._src.grad import value_and_grad
@@ -34,6 +35,9 @@ __all__ = (
   "estimate_tree_memory",
   "export_safetensors",
   "gather",
+  "gather_to_host",
+  "global_batch",
+  "initialize",
   "load_params",
   "profile",
   "remat_policy",

@@ -2,11 +2,16 @@
 
 Example:
   python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py --model tiny
+
+From Python, ``zerojax.launch.launch([sys.executable, "script.py"], num_processes=2,
+devices_per_process=4)`` does the same and returns the exit status.
 """
 
 import sys
 
-from zerojax._src.launch import main
+from zerojax._src.launch import launch, main
+
+__all__ = ("launch", "main")
 
 if __name__ == "__main__":
   sys.exit(main())
