@@ -25,6 +25,7 @@ sharding is real. Usage::
   python examples/train_lm.py --model tiny --steps 20 --stage 2
   python examples/train_lm.py --model medium --devices 8      # on 8 accelerators
   python examples/train_lm.py --checkpoint-dir ckpt --resume  # save every 100 steps; resume
+  python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py  # 2 processes
 
 With ``--checkpoint-dir`` the training state (parameters, optimizer state with
 its master copy and loss scale, step) is saved as sharded arrays every
@@ -32,6 +33,13 @@ its master copy and loss scale, step) is saved as sharded arrays every
 continues from the latest one, on any device count and stage. Batches are a
 function of the seed and the step number, so a resumed run trains on exactly
 the batches an uninterrupted run would.
+
+Multi-process (one process per host or GPU): ``--coordinator``,
+``--num-processes`` and ``--process-id`` (or the variables ``python -m
+zerojax.launch`` sets, or ``--detect-cluster`` under SLURM, Open MPI or a
+Cloud TPU pod slice) join the processes with ``zerojax.initialize``; each
+process then loads only its rows of every batch and ``zerojax.global_batch``
+assembles the global array. Process 0 alone prints and writes files.
 
 From Python, ``main(["--model", "tiny", "--steps", "20"])`` returns the metrics.
 """
@@ -113,7 +121,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--seq-len", type=int, help="context length in bytes")
   parser.add_argument("--lr", type=float, help="peak learning rate")
   parser.add_argument(
-    "--devices", type=int, default=8, help="data-parallel devices (forced on CPU)"
+    "--devices",
+    type=int,
+    help="data-parallel devices: forced on CPU (default 8); in a multi-process run, all of "
+    "the job's (the default)",
+  )
+  parser.add_argument("--coordinator", help="host:port of process 0, for a multi-process run")
+  parser.add_argument("--num-processes", type=int, help="processes in a multi-process run")
+  parser.add_argument("--process-id", type=int, help="this process's index in the run")
+  parser.add_argument(
+    "--detect-cluster",
+    action="store_true",
+    help="find the processes from SLURM, Open MPI or a Cloud TPU pod slice",
   )
   parser.add_argument(
     "--precision",
@@ -142,11 +161,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   for name in ("steps", "batch_size", "seq_len", "lr"):
     if getattr(args, name) is None:
       setattr(args, name, getattr(preset, name))
-  if args.batch_size % (args.devices * args.microbatches):
-    parser.error(
-      f"--batch-size {args.batch_size} must be a multiple of --devices {args.devices} "
-      f"times --microbatches {args.microbatches}"
-    )
   if args.stage == 0 and (args.precision != "fp32" or args.microbatches != 1):
     parser.error("--precision and --microbatches apply to stages 1-3 (zerojax)")
   if args.stage == 0 and args.checkpoint_dir:
@@ -436,12 +450,30 @@ def plot(
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the script with the flags in ``argv`` (default: the command line); returns the metrics."""
   args = parse_args(argv)
-  request_host_devices(args.devices)
+  # First, before anything touches a device; False (and nothing done) for one process.
+  multi_process = zerojax.initialize(
+    args.coordinator, args.num_processes, args.process_id, detect_cluster=args.detect_cluster
+  )
+  if multi_process:
+    args.devices = args.devices or jax.device_count()
+    if args.devices != jax.device_count():
+      raise ValueError(
+        f"--devices {args.devices}, but the {jax.process_count()} processes have "
+        f"{jax.device_count()} devices: a multi-process mesh spans them all; drop --devices."
+      )
+  else:
+    args.devices = args.devices or 8
+    request_host_devices(args.devices)
   if jax.device_count() < args.devices:
     raise ValueError(
       f"--devices {args.devices} but JAX has {jax.device_count()} devices (it was initialised "
       "before this script could ask for more): pass a smaller --devices, or set "
       f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices}."
+    )
+  if args.batch_size % (args.devices * args.microbatches):
+    raise ValueError(
+      f"--batch-size {args.batch_size} must be a multiple of --devices {args.devices} "
+      f"times --microbatches {args.microbatches}"
     )
   mesh = jax.make_mesh((args.devices,), (AXIS,), devices=jax.devices()[: args.devices])
   with jax.set_mesh(mesh):
@@ -451,7 +483,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   """Trains, evaluates and samples on ``mesh``; returns the metrics and writes them to ``--out``."""
   preset = PRESETS[args.model]
-  batch_sharding = NamedSharding(mesh, P(AXIS))
+  leader = jax.process_index() == 0  # in a multi-process run, the one that prints and writes
+  say = print if leader else lambda *_, **__: None
+
+  def global_batch(starts, data, first=False):
+    # Each process loads only its rows; zerojax.global_batch joins them over the mesh
+    # (checking on the first batch that every process passes the same shapes).
+    rows = len(starts) // jax.process_count()
+    mine = starts[jax.process_index() * rows :][:rows]
+    return zerojax.global_batch(
+      windows(data, mine, args.seq_len), mesh, axis_name=AXIS, check_processes=first
+    )
 
   corpus = load_corpus()
   split = int(len(corpus) * (1 - VAL_FRACTION))
@@ -459,13 +501,13 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   baseline = unigram_loss(train_data, val_data)
   count = EVAL_BATCHES * args.batch_size
   val_starts = np.linspace(0, len(val_data) - args.seq_len - 1, count).astype(int)
-  val_batch = jax.device_put(windows(val_data, val_starts, args.seq_len), batch_sharding)
+  val_batch = global_batch(val_starts, val_data, first=True)
 
   def train_batch(step):
     # A function of the step alone, so that a resumed run sees the same batches.
     rng = np.random.default_rng([args.seed, 1, step])
     starts = rng.integers(0, len(train_data) - args.seq_len - 1, args.batch_size)
-    return jax.device_put(windows(train_data, starts, args.seq_len), batch_sharding)
+    return global_batch(starts, train_data)
 
   model = make_model(preset, args.seq_len)
   loss = functools.partial(loss_fn, model=model)
@@ -486,19 +528,20 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     if args.resume and checkpoints.latest_step() is not None:
       state = checkpoints.restore()
       params, opt_state, first_step = state["params"], state["opt_state"], int(state["step"]) + 1
-      print(f"resumed from step {first_step - 1} in {args.checkpoint_dir}")
+      say(f"resumed from step {first_step - 1} in {args.checkpoint_dir}")
 
   @jax.jit
   def evaluate(params, x, y):
     return loss(setup.gather(params), x, y)
 
-  print(
+  say(
     f"{args.model} model: {n_params / 1e6:.2f}M params, stage {args.stage} on {args.devices} "
-    f"{platform} devices, {args.precision} compute, {args.microbatches} micro-batch(es); "
+    f"{platform} devices ({jax.process_count()} process(es)), {args.precision} compute, "
+    f"{args.microbatches} micro-batch(es); "
     f"{len(train_data) / 1e6:.2f}M train bytes, "
     f"{len(val_data) / 1e3:.0f}K validation bytes"
   )
-  print(f"unigram baseline: validation loss {baseline:.3f} nats/byte")
+  say(f"unigram baseline: validation loss {baseline:.3f} nats/byte")
 
   # Compiled ahead of time: the loop calls this one executable, which refuses
   # (rather than silently recompiles for) arguments of another shape or sharding.
@@ -515,6 +558,7 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     dynamic_ncols=True,
     initial=first_step - 1,
     total=args.steps,
+    disable=not leader,
   )
   for step in bar:
     x, y = train_batch(step)
@@ -532,10 +576,11 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     bar.set_postfix(stats)
     if step % args.eval_every == 0 or step == args.steps:
       val_loss.append({"step": step, "loss": float(evaluate(params, *val_batch))})
-      bar.write(
-        f"step {step}: train {train_loss[-1]:.3f}, validation {val_loss[-1]['loss']:.3f} "
-        f"(unigram {baseline:.3f}) nats/byte"
-      )
+      if leader:
+        bar.write(
+          f"step {step}: train {train_loss[-1]:.3f}, validation {val_loss[-1]['loss']:.3f} "
+          f"(unigram {baseline:.3f}) nats/byte"
+        )
     if checkpoints:
       state = {"params": params, "opt_state": opt_state, "step": np.int32(step)}
       state["step"] = jax.device_put(state["step"], NamedSharding(mesh, P()))
@@ -543,7 +588,7 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   bar.close()
   if checkpoints:
     checkpoints.close()  # waits for the last save
-    print(f"checkpoints {checkpoints.all_steps()} in {args.checkpoint_dir}")
+    say(f"checkpoints {checkpoints.all_steps()} in {args.checkpoint_dir}")
 
   full_params = setup.gather(params)
   if args.stage:
@@ -553,10 +598,10 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     opt_state0 = baseline_setup.init(params0)
     compiled0 = baseline_setup.step.lower(params0, opt_state0, *example).compile()
     memory = {"stage 0": memory_stats(compiled0, params0, opt_state0), **memory}
-  print(format_memory(memory))
+  say(format_memory(memory))
 
   text = sample(full_params, model, jax.random.key(args.seed))
-  print(f"sample:\n{text}")
+  say(f"sample:\n{text}")
 
   step_seconds = float(np.median(step_times))
   metrics = {
@@ -576,10 +621,11 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     "memory_bytes": memory,
     "sample": text,
   }
-  args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-  plot(args.out / "loss.png", train_loss, val_loss, baseline)
-  print(f"wrote {args.out / 'metrics.json'} and {args.out / 'loss.png'}")
+  if leader:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    plot(args.out / "loss.png", train_loss, val_loss, baseline)
+    print(f"wrote {args.out / 'metrics.json'} and {args.out / 'loss.png'}")
   return metrics
 
 
