@@ -376,6 +376,10 @@ def make_setup(
   return Setup(place, init, jax.jit(step, donate_argnums=(0, 1)), gather, tx)
 
 
+def _count(n: int, one: str, many: str) -> str:
+  return f"{n} {one if n == 1 else many}"
+
+
 def per_device_bytes(tree: Any) -> int:
   """Bytes of ``tree`` that one device holds: the size of its shard of every leaf."""
   return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
@@ -536,8 +540,8 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
 
   say(
     f"{args.model} model: {n_params / 1e6:.2f}M params, stage {args.stage} on {args.devices} "
-    f"{platform} devices ({jax.process_count()} process(es)), {args.precision} compute, "
-    f"{args.microbatches} micro-batch(es); "
+    f"{platform} devices in {_count(jax.process_count(), 'process', 'processes')}, "
+    f"{args.precision} precision, {_count(args.microbatches, 'micro-batch', 'micro-batches')}; "
     f"{len(train_data) / 1e6:.2f}M train bytes, "
     f"{len(val_data) / 1e3:.0f}K validation bytes"
   )
