@@ -44,7 +44,7 @@ def trained_state(tx, steps: int = 2):
   keys = iter(jax.random.split(jax.random.PRNGKey(0), 16))
   full = {name: jax.random.normal(next(keys), x.shape, x.dtype) for name, x in MODEL.items()}
   params = tx.shard(full)
-  opt_state = tx.init(params)
+  opt_state = tx.init(full)  # the full-precision values: the master copy, under mixed precision
   for _ in range(steps):
     grads = {name: jax.random.normal(next(keys), x.shape, x.dtype) for name, x in MODEL.items()}
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -255,26 +255,62 @@ def test_a_run_killed_mid_save_resumes_to_the_same_params(tmp_path):
     np.testing.assert_array_equal(resumed[name], whole[name], strict=True)
 
 
-def test_loss_scale_and_master_copy_restore_onto_other_device_counts(tmp_path):
-  def spec_and_state(num_devices, stage):
-    mesh = make_tx(num_devices, stage).mesh
-    tx = STAGES[stage](optax.adam(1e-2), mesh=mesh, precision="fp16")
-    return tx, train_state_spec(tx, MODEL)
+def mixed_precision(num_devices: int, stage: int, precision: str):
+  tx = STAGES[stage](optax.adam(1e-2), mesh=make_tx(num_devices, stage).mesh, precision=precision)
+  return tx, spec_for(tx)
 
-  tx, spec = spec_and_state(8, 2)
-  full = {name: jnp.full(x.shape, 0.5, x.dtype) for name, x in MODEL.items()}
-  state = {"params": tx.shard(full), "opt_state": tx.init(full)}
+
+def test_loss_scale_and_master_copy_restore_onto_other_device_counts(tmp_path):
+  tx, spec = mixed_precision(8, 2, "fp16")
+  state = trained_state(tx)
   assert state["opt_state"].loss_scale is not None and state["opt_state"].master is not None
   with CheckpointManager(tmp_path, spec) as checkpoints:
     checkpoints.save(0, state)
-  _, spec4 = spec_and_state(4, 2)
+  _, spec4 = mixed_precision(4, 2, "fp16")
   with CheckpointManager(tmp_path, spec4) as checkpoints:
     restored = checkpoints.restore()
+  assert_placed(restored, spec4)
   assert_same(logical_values(restored, spec4), logical_values(state, spec))
-  # Stage 3 keeps no separate master copy: the restore names it rather than guessing.
-  _, spec3 = spec_and_state(8, 3)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("hops", [[(8, 1), (4, 3), (2, 2)], [(2, 3), (8, 2)]], ids=["1-3-2", "3-2"])
+def test_the_master_copy_moves_between_state_and_params_across_stages(tmp_path, hops, precision):
+  """Stages 1-2 keep a master copy beside rounded params, stage 3 none: a restore moves it."""
+
+  def master_and_rest(state, spec, tx):
+    values = logical_values(state, spec)
+    master = tx.master_params(values["params"], values["opt_state"])
+    rest = {**values, "params": None, "opt_state": values["opt_state"]._replace(master=None)}
+    return master, rest
+
+  tx, spec = mixed_precision(*hops[0], precision)
+  state = trained_state(tx)
+  expected_master, expected_rest = master_and_rest(state, spec, tx)
+  for hop, (num_devices, stage) in enumerate(hops[1:]):
+    with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
+      checkpoints.save(0, state)
+    tx, spec = mixed_precision(num_devices, stage, precision)
+    with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
+      state = checkpoints.restore()
+    assert_placed(state, spec)
+    master, rest = master_and_rest(state, spec, tx)
+    assert_same(master, expected_master)
+    assert_same(rest, expected_rest)
+    if stage != 3:  # the params are the master rounded to the compute dtype, as tx.shard makes them
+      rounded = jax.tree.map(np.asarray, tx.shard(jax.tree.map(jnp.asarray, expected_master)))
+      assert_same(logical_values(state, spec)["params"], rounded)
+
+
+def test_a_checkpoint_of_another_precision_policy_names_what_differs(tmp_path):
+  tx, spec = mixed_precision(8, 2, "fp16")
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    checkpoints.save(0, trained_state(tx))
+  _, bf16 = mixed_precision(8, 3, "bf16")
   with (
-    CheckpointManager(tmp_path, spec3) as checkpoints,
-    pytest.raises(ValueError, match=r"\['opt_state'\]\.master\['w'\]: in the checkpoint, not in"),
+    CheckpointManager(tmp_path, bf16) as checkpoints,
+    pytest.raises(
+      ValueError, match=r"\['opt_state'\]\.loss_scale\.scale: in the checkpoint, not in"
+    ),
   ):
     checkpoints.restore()

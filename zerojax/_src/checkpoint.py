@@ -17,6 +17,7 @@ import os
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
@@ -218,6 +219,112 @@ def read_layout(manager: ocp.CheckpointManager, step: int | None) -> tuple[int, 
   return step, layout["layout"]
 
 
+# Where a state's master parameters live: the parameters themselves (stage 3,
+# or no lower compute dtype), or a separate copy (stages 1-2 under a lower
+# compute dtype), from which the parameters are rounded.
+_PARAMS = ("params",)
+
+
+def _separate(master_path: tuple[str | int, ...]) -> bool:
+  return master_path != _PARAMS
+
+
+def _comparable(
+  spec_leaves: dict[str, Any],
+  spec_master: tuple[str | int, ...],
+  saved_leaves: dict[str, Any],
+  saved_master: tuple[str | int, ...],
+) -> tuple[dict[str, LeafInfo], dict[str, LeafInfo]]:
+  """Both sides' logical leaves, keyed so that the master parameters line up wherever they live.
+
+  A separate master copy makes the parameters a rounded copy of it, so those
+  are left out: they are remade from the master on restore. Leaves are named
+  as in the spec where it has them.
+  """
+
+  def by_role(leaves, master_path):
+    out = {}
+    for name, leaf in leaves.items():
+      keys = tuple(leaf["keys"])
+      if keys[: len(master_path)] == master_path:
+        keys = ("master", *keys[len(master_path) :])
+      elif keys[:1] == _PARAMS:
+        continue
+      out[keys] = (name, (tuple(leaf["shape"]), leaf["dtype"]))
+    return out
+
+  spec_roles = by_role(spec_leaves, spec_master)
+  expected = dict(spec_roles.values())
+  found = {
+    spec_roles.get(keys, (name,))[0]: info
+    for keys, (name, info) in by_role(saved_leaves, saved_master).items()
+  }
+  return expected, found
+
+
+def _reading_plan(spec: StateSpec, saved_master: tuple[str | int, ...]) -> Any:
+  """What to read: ``spec.stored`` with the master copy moved to where the checkpoint has it.
+
+  A checkpoint's rounded parameters (beside a separate master copy) are not
+  read at all.
+  """
+  master = _at(spec.stored, spec.master_path)
+  item = spec.stored
+  if _separate(spec.master_path):
+    item = _with(item, spec.master_path, None)
+  if _separate(saved_master):
+    item = {name: x for name, x in item.items() if name != "params"}
+  return _with(item, saved_master, master)
+
+
+def _master_in_place(spec: StateSpec, saved_master: tuple[str | int, ...], state: Any) -> Any:
+  """A state read by ``_reading_plan``, its master copy moved back to where the spec has it."""
+  master = _at(state, saved_master)
+  if _separate(saved_master):
+    state = _with(state, saved_master, None)
+  state = _with(state, spec.master_path, master)
+  if _separate(spec.master_path):
+    state = _with(state, _PARAMS, _rounded(master, spec.logical["params"], spec.stored["params"]))
+  return state
+
+
+def _rounded(master: Any, logical: Any, stored: Any) -> Any:
+  """Parameters in ``stored``'s dtypes, shapes and shardings, rounded from the master copy."""
+
+  def round_leaf(x, shape, struct):
+    x = x[tuple(slice(0, n) for n in shape.shape)].astype(struct.dtype)
+    return jnp.pad(x, [(0, want - have) for want, have in zip(struct.shape, x.shape, strict=True)])
+
+  shardings = jax.tree.map(lambda struct: struct.sharding, stored)
+  return jax.jit(
+    lambda master: jax.tree.map(round_leaf, master, logical, stored), out_shardings=shardings
+  )(master)
+
+
+def _child(tree: Any, key: str | int) -> Any:
+  return tree[key] if isinstance(tree, dict) or isinstance(key, int) else getattr(tree, key)
+
+
+def _at(tree: Any, keys: tuple[str | int, ...]) -> Any:
+  for key in keys:
+    tree = _child(tree, key)
+  return tree
+
+
+def _with(tree: Any, keys: tuple[str | int, ...], value: Any) -> Any:
+  """``tree`` with the node at ``keys`` replaced by ``value`` (``tree`` itself is unchanged)."""
+  if not keys:
+    return value
+  key, rest = keys[0], keys[1:]
+  if isinstance(tree, dict):
+    return {**tree, key: _with(tree.get(key), rest, value)}
+  if isinstance(key, str):
+    return tree._replace(**{key: _with(getattr(tree, key), rest, value)})
+  items = list(tree)
+  items[key] = _with(items[key], rest, value)
+  return type(tree)(items)
+
+
 class CheckpointManager:
   """Saves training states of one ``StateSpec`` and restores checkpoints into it.
 
@@ -322,6 +429,12 @@ class CheckpointManager:
   def restore(self, step: int | None = None) -> Any:
     """The checkpoint of ``step`` (the latest by default), placed as ``spec.stored``.
 
+    Where the spec keeps its master parameters elsewhere than the checkpoint
+    (stages 1-2 under a lower compute dtype keep them in the optimizer state,
+    stage 3 as the parameters themselves), the master copy is read into the
+    spec's place for it, and compute-dtype parameters are rounded from it, as
+    ``tx.shard`` would.
+
     Raises:
       FileNotFoundError: if there is no such checkpoint.
       ValueError: if its logical leaves differ from the spec's (naming every
@@ -329,27 +442,35 @@ class CheckpointManager:
         read in full.
     """
     step, layout = read_layout(self._manager, step)
-    saved = {path: (tuple(leaf["shape"]), leaf["dtype"]) for path, leaf in layout["leaves"].items()}
+    saved_master = tuple(layout["master_path"])
+    expected, found = _comparable(
+      self._record["leaves"], self.spec.master_path, layout["leaves"], saved_master
+    )
     _mismatch(
       f"checkpoint step {step} in {self.directory} does not fit this manager's spec",
-      self._logical,
-      saved,
+      expected,
+      found,
       ("spec", "checkpoint"),
       "Restore with the model, optimizer and precision policy that were saved; "
       "the device count and stage may differ.",
     )
+    item = _reading_plan(self.spec, saved_master)
     restore_args = jax.tree.map(
       lambda x: ocp.ArrayRestoreArgs(
         sharding=x.sharding, global_shape=x.shape, dtype=x.dtype, strict=False
       ),
-      self.spec.stored,
+      item,
     )
-    args = ocp.args.PyTreeRestore(item=self.spec.stored, restore_args=restore_args)
+    args = ocp.args.PyTreeRestore(
+      item=item, restore_args=restore_args, partial_restore=_separate(saved_master)
+    )
     try:
-      return self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+      state = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
     except Exception as error:
       # Orbax's message ends with the whole TensorStore spec; its start says what failed.
       reason = f"{type(error).__name__}: {error}"[:400]
+    else:
+      return _master_in_place(self.spec, saved_master, state)
     # Raised outside the handler, so that Orbax's error and the unfinished reads
     # its traceback holds are released now rather than at some later collection.
     raise ValueError(
