@@ -7,9 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import zerojax
 from zerojax import CheckpointManager, export_safetensors, load_params, train_state_spec
+from zerojax._src import export as export_lib
+from zerojax.export import main as export_main
 
 
 def read_safetensors(path):
@@ -80,3 +83,50 @@ def test_export_holds_about_one_leaf_in_host_memory(tmp_path, mesh):
   written = read_safetensors(tmp_path / "model.safetensors")
   for i in range(12):
     assert written[f"layer{i}"].shape == leaf and (written[f"layer{i}"] == i).all()
+
+
+def test_the_command_line_writes_what_the_function_writes(tmp_path, mesh, capsys):
+  full = {"w": jax.random.normal(jax.random.PRNGKey(0), (5, 1001))}
+  save(tmp_path / "checkpoints", zerojax.zero3(optax.adam(1e-3), mesh=mesh), full)
+  export_main([str(tmp_path / "checkpoints"), str(tmp_path / "cli.safetensors"), "--step", "0"])
+  assert "wrote 1 tensors, 0.02 MiB, to" in capsys.readouterr().out
+  export_safetensors(tmp_path / "checkpoints", tmp_path / "function.safetensors")
+  assert (tmp_path / "cli.safetensors").read_bytes() == (
+    tmp_path / "function.safetensors"
+  ).read_bytes()
+
+  with pytest.raises(SystemExit) as exit_info:
+    export_main([str(tmp_path / "checkpoints"), str(tmp_path / "other.safetensors"), "--step", "7"])
+  assert exit_info.value.code == 1
+  assert "no checkpoint for step 7" in capsys.readouterr().err
+  assert not (tmp_path / "other.safetensors").exists()
+
+
+def test_a_failed_export_leaves_no_partial_file_and_keeps_the_old_one(tmp_path, mesh, monkeypatch):
+  full = {f"layer{i}": jnp.full((64, 64), i, jnp.float32) for i in range(3)}
+  save(tmp_path / "checkpoints", zerojax.zero3(optax.sgd(1e-3), mesh=mesh), full)
+  target = tmp_path / "model.safetensors"
+  export_safetensors(tmp_path / "checkpoints", target)
+  before = target.read_bytes()
+
+  reads = []
+
+  def failing_read(manager, step, leaf):
+    reads.append(leaf)
+    if len(reads) == 2:
+      raise OSError("disk gone")
+    return export_lib._read(manager, step, leaf)
+
+  monkeypatch.setattr(export_lib, "_read", failing_read)
+  with pytest.raises(OSError, match="disk gone"):
+    export_safetensors(tmp_path / "checkpoints", target)
+  assert target.read_bytes() == before
+  assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoints", "model.safetensors"]
+
+
+def test_exporting_inside_a_multi_process_job_says_how_to_export(tmp_path, monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(RuntimeError, match=r"python -m zerojax\.export CHECKPOINT_DIR"):
+    export_safetensors(tmp_path, tmp_path / "model.safetensors")
+  with pytest.raises(RuntimeError, match="gather_to_host"):
+    load_params(tmp_path)

@@ -4,14 +4,20 @@ Offline: it needs the checkpoint directory, not the mesh that trained it.
 Each leaf is read alone, already unpadded, from the full-precision copy of the
 parameters the checkpoint recorded (the master copy when the training kept one
 apart), so host memory holds about one leaf at a time.
+
+From the command line (also installed as ``zerojax-export``)::
+
+  python -m zerojax.export CHECKPOINT_DIR model.safetensors [--step N]
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import gc
 import json
+import logging
 import math
 import os
 from typing import Any, NamedTuple
@@ -55,10 +61,19 @@ class _Leaf(NamedTuple):
 @contextlib.contextmanager
 def _master_leaves(directory: str | os.PathLike, step: int | None):
   """Yields the full-precision parameters' leaves, and a function that reads one."""
-  manager = checkpoint_lib.orbax_manager(
-    directory, read_only=True, create=False, save_interval_steps=0
-  )
-  with manager:
+  if jax.process_count() > 1:
+    raise RuntimeError(
+      f"exporting reads a checkpoint in one process, but this is process "
+      f"{jax.process_index()} of a {jax.process_count()}-process job. Export after "
+      "training, from one process: python -m zerojax.export CHECKPOINT_DIR "
+      "model.safetensors (or, inside the job, zerojax.gather_to_host(tx, params, process=0))."
+    )
+  with (
+    _quiet(_READ_ONLY_NOTICE),
+    checkpoint_lib.orbax_manager(
+      directory, read_only=True, create=False, save_interval_steps=0
+    ) as manager,
+  ):
     step, layout = checkpoint_lib.read_layout(manager, step)
     prefix = layout["master_path"]
     leaves = [
@@ -69,6 +84,23 @@ def _master_leaves(directory: str | os.PathLike, step: int | None):
       if leaf["keys"][: len(prefix)] == prefix
     ]
     yield leaves, functools.partial(_read, manager, step)
+
+
+# Orbax logs this warning whenever a read-only manager is made or used: what
+# export asks for, so nothing to warn about.
+_READ_ONLY_NOTICE = "Given directory is read only"
+
+
+@contextlib.contextmanager
+def _quiet(notice: str):
+  """Drops log records containing ``notice`` from the ``absl`` logger, while inside."""
+  drop = lambda record: notice not in record.getMessage()
+  logger = logging.getLogger("absl")
+  logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    logger.removeFilter(drop)
 
 
 def _read(manager: ocp.CheckpointManager, step: int, leaf: _Leaf) -> np.ndarray:
@@ -176,11 +208,19 @@ def export_safetensors(
       offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as file:
-      file.write(len(encoded).to_bytes(8, "little"))
-      file.write(encoded)
-      for leaf in leaves:  # one expression, so that no leaf outlives its write
-        file.write(_little_endian(read(leaf)).data)
+    # Written beside ``path`` and renamed when complete, so that a failed export
+    # neither leaves a partial file nor destroys an earlier one.
+    partial = f"{os.fspath(path)}.partial"
+    try:
+      with open(partial, "wb") as file:
+        file.write(len(encoded).to_bytes(8, "little"))
+        file.write(encoded)
+        for leaf in leaves:  # one expression, so that no leaf outlives its write
+          file.write(_little_endian(read(leaf)).data)
+      os.replace(partial, path)
+    finally:
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(partial)
   return tensors
 
 
@@ -195,3 +235,23 @@ def _safetensors_dtype(name: str, dtype: np.dtype) -> str:
       f"it holds {sorted(_SAFETENSORS_DTYPES)}."
     )
   return _SAFETENSORS_DTYPES[dtype.name]
+
+
+def main(argv: list[str] | None = None) -> None:
+  """``python -m zerojax.export``: a checkpoint's parameters to one ``.safetensors`` file."""
+  parser = argparse.ArgumentParser(
+    prog="python -m zerojax.export",
+    description="Write a zerojax checkpoint's full-precision parameters, unpadded, to one "
+    ".safetensors file, one leaf at a time (host memory holds about one leaf). Needs only "
+    "the checkpoint directory, not the devices that trained it.",
+  )
+  parser.add_argument("checkpoint_dir", help="a directory of zerojax checkpoints")
+  parser.add_argument("output", help="the .safetensors file to write")
+  parser.add_argument("--step", type=int, default=None, help="which checkpoint (the latest)")
+  args = parser.parse_args(argv)
+  try:
+    tensors = export_safetensors(args.checkpoint_dir, args.output, step=args.step)
+  except (FileNotFoundError, ValueError) as error:
+    parser.exit(1, f"python -m zerojax.export: error: {error}\n")
+  size = sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values())
+  print(f"wrote {len(tensors)} tensors, {size / 2**20:.2f} MiB, to {args.output}")
