@@ -3,6 +3,7 @@
 ``train OUT [RESTORE]``: for stages 1, 2 and 3 (explicit path), train
 ``tests.models`` for a few steps on the global batch assembled with
 ``global_batch``, then gather the parameters three ways and profile the step;
+train each stage on the drop-in path (plain ``jax.value_and_grad``) too;
 save the stage-3 state to ``OUT/checkpoint`` and restore the one in
 ``RESTORE/checkpoint``, if given; provoke ``global_batch``'s errors. Every process writes
 what it saw to ``OUT/p<process id>.npz`` and ``.json``. The test runs the same
@@ -36,10 +37,11 @@ def local_rows(batch):
   return tuple(np.asarray(x)[start : start + rows] for x in batch)
 
 
-def start(stage, mesh):
+def start(stage, mesh, path="explicit"):
   tx = STAGES[stage](optax.adam(1e-2), mesh=mesh)
   params = tx.shard(models.make_params())
-  return tx, params, tx.init(params), models.explicit_step(tx)
+  step = models.explicit_step(tx) if path == "explicit" else models.drop_in_step(tx)
+  return tx, params, tx.init(params), step
 
 
 def flat(prefix, tree):
@@ -95,6 +97,11 @@ def train(out: Path, restore: Path | None = None) -> None:
       "argument_bytes": profile.argument_bytes,
       "collectives": {kind: [c.count, c.bytes] for kind, c in profile.collectives.items()},
     }
+    tx, drop_in, drop_in_state, drop_in_step = start(stage, mesh, path="drop-in")
+    for _ in range(STEPS):
+      drop_in, drop_in_state, loss = drop_in_step(drop_in, drop_in_state, *batch)
+      report["stages"][stage].setdefault("drop_in_losses", []).append(float(loss))
+    arrays.update(flat(f"drop-in/{stage}/to_all", zerojax.gather_to_host(tx, drop_in)))
   arrays.update(save(mesh, {"params": params, "opt_state": state}, out))
   if restore is not None:
     arrays.update(restore_from(mesh, restore))

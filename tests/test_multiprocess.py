@@ -82,6 +82,23 @@ def test_two_processes_train_like_one(runs, stage):
   assert_trees_close(two_arrays, one_arrays, f"{stage}/to_zero", atol=1e-6)
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_processes_train_like_one_on_the_drop_in_path(runs, stage):
+  (one_arrays, one), (two_arrays, two) = runs[1][0], runs[2][0]
+  np.testing.assert_allclose(
+    two["stages"][str(stage)]["drop_in_losses"],
+    one["stages"][str(stage)]["drop_in_losses"],
+    rtol=0,
+    atol=1e-6,
+  )
+  assert_trees_close(two_arrays, one_arrays, f"drop-in/{stage}/to_all", atol=1e-6)
+  # And the drop-in path trains like the explicit one.
+  explicit = {
+    k.replace(f"{stage}/to_zero", f"drop-in/{stage}/to_all"): v for k, v in one_arrays.items()
+  }
+  assert_trees_close(one_arrays, explicit, f"drop-in/{stage}/to_all", atol=2e-5)
+
+
 def test_global_batch_joins_the_processes_rows_in_order(runs):
   for arrays, _ in (*runs[1], *runs[2]):
     assert_trees_close(arrays, multiprocess_worker.flat("batch", models.make_batch()), "batch", 0)
