@@ -111,11 +111,11 @@ def test_a_failed_export_leaves_no_partial_file_and_keeps_the_old_one(tmp_path, 
 
   reads = []
 
-  def failing_read(manager, step, leaf):
-    reads.append(leaf)
+  def failing_read(*args):
+    reads.append(args)
     if len(reads) == 2:
       raise OSError("disk gone")
-    return export_lib._read(manager, step, leaf)
+    return export_lib._read(*args)
 
   monkeypatch.setattr(export_lib, "_read", failing_read)
   with pytest.raises(OSError, match="disk gone"):
@@ -130,3 +130,30 @@ def test_exporting_inside_a_multi_process_job_says_how_to_export(tmp_path, monke
     export_safetensors(tmp_path, tmp_path / "model.safetensors")
   with pytest.raises(RuntimeError, match="gather_to_host"):
     load_params(tmp_path)
+
+
+def test_lists_and_tuples_of_params_export_too(tmp_path, mesh):
+  # The plain-JAX MLP layout, under bf16 so that the master copy is exported.
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  full = [
+    (jax.random.normal(keys[0], (64, 128)), jax.random.normal(keys[1], (128,))),
+    (jax.random.normal(keys[2], (128, 10)), jax.random.normal(keys[3], (10,))),
+  ]
+  tx = zerojax.zero2(optax.adam(1e-3), mesh=mesh, precision="bf16")
+  save(tmp_path / "checkpoints", tx, full)
+  loaded = load_params(tmp_path / "checkpoints")
+  expected = [list(layer) for layer in full]  # Orbax saves tuples as lists
+  assert jax.tree.structure(loaded) == jax.tree.structure(expected)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, strict=True), loaded, expected)
+  export_safetensors(tmp_path / "checkpoints", tmp_path / "model.safetensors")
+  written = read_safetensors(tmp_path / "model.safetensors")
+  assert sorted(written) == ["0.0", "0.1", "1.0", "1.1"]
+  np.testing.assert_array_equal(written["1.0"], full[1][0], strict=True)
+
+
+def test_parameters_whose_names_would_collide_are_refused(tmp_path, mesh):
+  full = {"a.b": jnp.ones((4,)), "a": {"b": jnp.full((4,), 2.0)}}
+  save(tmp_path / "checkpoints", zerojax.zero1(optax.sgd(1e-3), mesh=mesh), full)
+  with pytest.raises(ValueError, match=r"two parameters would both be called 'a\.b'"):
+    export_safetensors(tmp_path / "checkpoints", tmp_path / "model.safetensors")
+  assert not (tmp_path / "model.safetensors").exists()

@@ -270,7 +270,10 @@ def gather_to_host(
     params: the parameters as ``tx`` stores them.
     process: the process that receives the parameters; ``None`` for every
       process.
-    max_piece_bytes: the most one all-gather moves into each device.
+    max_piece_bytes: the most one all-gather moves into each device. Leaves
+      sharded along their first dimension (1-D leaves, or a ``layout`` that
+      splits dimension 0) are gathered whole: a block of rows of the
+      dimension that is split would cost the whole leaf's all-gather anyway.
 
   Returns:
     On a receiving process, the pytree of ``numpy.ndarray`` s (logical shapes,

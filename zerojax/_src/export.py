@@ -60,13 +60,18 @@ class _Leaf(NamedTuple):
 
 @contextlib.contextmanager
 def _master_leaves(directory: str | os.PathLike, step: int | None):
-  """Yields the full-precision parameters' leaves, and a function that reads one."""
+  """Yields the full-precision parameters' leaves, a function that reads one, and their tree.
+
+  The tree is the saved parameters' containers (dicts and lists) with Orbax's
+  metadata as leaves.
+  """
   if jax.process_count() > 1:
     raise RuntimeError(
       f"exporting reads a checkpoint in one process, but this is process "
       f"{jax.process_index()} of a {jax.process_count()}-process job. Export after "
       "training, from one process: python -m zerojax.export CHECKPOINT_DIR "
-      "model.safetensors (or, inside the job, zerojax.gather_to_host(tx, params, process=0))."
+      "model.safetensors (or, inside the job, zerojax.gather_to_host(tx, "
+      "tx.master_params(params, opt_state), process=0) for the full-precision copy)."
     )
   with (
     _quiet(_READ_ONLY_NOTICE),
@@ -83,7 +88,10 @@ def _master_leaves(directory: str | os.PathLike, step: int | None):
       for leaf in layout["leaves"].values()
       if leaf["keys"][: len(prefix)] == prefix
     ]
-    yield leaves, functools.partial(_read, manager, step)
+    # The containers as Orbax saved them (tuples become lists), which a read's
+    # template must repeat.
+    saved = manager.item_metadata(step)["state"].tree
+    yield leaves, functools.partial(_read, manager, step, saved), _at(saved, prefix)
 
 
 # Orbax logs this warning whenever a read-only manager is made or used: what
@@ -103,18 +111,15 @@ def _quiet(notice: str):
     logger.removeFilter(drop)
 
 
-def _read(manager: ocp.CheckpointManager, step: int, leaf: _Leaf) -> np.ndarray:
+def _read(manager: ocp.CheckpointManager, step: int, saved: Any, leaf: _Leaf) -> np.ndarray:
   """One leaf on the host, in its logical shape (reading the logical region drops the padding)."""
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   restore_args = ocp.ArrayRestoreArgs(sharding=device, global_shape=leaf.shape, strict=False)
   args = ocp.args.PyTreeRestore(
-    item=_nested(leaf.keys, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)),
-    restore_args=_nested(leaf.keys, restore_args),
-    partial_restore=True,
+    item=_only(saved, leaf.keys, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)),
+    restore_args=_only(saved, leaf.keys, restore_args),
   )
-  restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
-  for key in leaf.keys:
-    restored = restored[key]
+  restored = _at(manager.restore(step, args=ocp.args.Composite(state=args))["state"], leaf.keys)
   array = np.asarray(restored)
   del restored
   widened = array.astype(full_precision(array.dtype), copy=False)
@@ -125,22 +130,33 @@ def _read(manager: ocp.CheckpointManager, step: int, leaf: _Leaf) -> np.ndarray:
   return widened
 
 
-def _nested(keys: list[str | int], value: Any) -> dict:
-  for key in reversed(keys):
-    value = {key: value}
-  return value
+def _at(tree: Any, keys: list[str | int]) -> Any:
+  for key in keys:
+    tree = tree[key]
+  return tree
 
 
-def load_params(directory: str | os.PathLike, *, step: int | None = None) -> dict:
-  """The checkpoint's full-precision parameters, unpadded, as nested dicts of numpy arrays.
+def _only(saved: Any, keys: list[str | int], value: Any) -> Any:
+  """``saved``'s tree with ``value`` at ``keys`` and placeholders (not read) everywhere else."""
+  template = jax.tree.map(lambda _: ocp.PLACEHOLDER, saved)
+  if not keys:
+    return value
+  parent = _at(template, keys[:-1])
+  parent[keys[-1]] = value
+  return template
+
+
+def load_params(directory: str | os.PathLike, *, step: int | None = None) -> Any:
+  """The checkpoint's full-precision parameters, unpadded, as nested dicts and lists of arrays.
 
   Args:
     directory: a directory of ``zerojax`` checkpoints.
     step: which checkpoint; the latest by default.
 
   Returns:
-    The parameters (dict keys and indices of the training state's parameter
-    tree, nested), floating leaves in float32 or wider.
+    The parameters, in the parameter tree's dicts, with lists where it had
+    lists or tuples (Orbax saves both as lists); floating leaves in float32 or
+    wider.
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp, optax, zerojax
@@ -156,14 +172,11 @@ def load_params(directory: str | os.PathLike, *, step: int | None = None) -> dic
     >>> params["w"].shape, params["w"].dtype
     ((5, 1001), dtype('float32'))
   """
-  params: dict = {}
-  with _master_leaves(directory, step) as (leaves, read):
-    for leaf in leaves:
-      node = params
-      for key in leaf.name[:-1]:
-        node = node.setdefault(key, {})
-      node[leaf.name[-1]] = read(leaf)
-  return params
+  with _master_leaves(directory, step) as (leaves, read, saved):
+    by_name = {tuple(leaf.name): leaf for leaf in leaves}
+    return jax.tree_util.tree_map_with_path(
+      lambda path, _: read(by_name[tuple(checkpoint_lib.key_name(key) for key in path)]), saved
+    )
 
 
 def export_safetensors(
@@ -185,17 +198,21 @@ def export_safetensors(
     ``{name: jax.ShapeDtypeStruct}`` of the tensors written.
 
   Raises:
-    ValueError: for a dtype safetensors cannot hold.
+    ValueError: for a dtype safetensors cannot hold, or two parameters whose
+      keys join to the same name.
   """
-  with _master_leaves(directory, step) as (leaves, read):
+  with _master_leaves(directory, step) as (leaves, read, _):
     # The header, which lists every tensor's offsets, comes first; the layout
     # record gives the shapes, so the data can follow leaf by leaf.
-    tensors = {
-      ".".join(str(key) for key in leaf.name): jax.ShapeDtypeStruct(
-        leaf.shape, full_precision(leaf.dtype)
-      )
-      for leaf in leaves
-    }
+    tensors = {}
+    for leaf in leaves:
+      name = ".".join(str(key) for key in leaf.name)
+      if name in tensors:
+        raise ValueError(
+          f"two parameters would both be called {name!r} in the safetensors file "
+          f"(keys joined with '.'): rename one, or use load_params to get the tree."
+        )
+      tensors[name] = jax.ShapeDtypeStruct(leaf.shape, full_precision(leaf.dtype))
     header: dict[str, Any] = {}
     offset = 0
     for name, struct in tensors.items():
@@ -251,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   try:
     tensors = export_safetensors(args.checkpoint_dir, args.output, step=args.step)
-  except (FileNotFoundError, ValueError) as error:
+  except (OSError, ValueError) as error:
     parser.exit(1, f"python -m zerojax.export: error: {error}\n")
   size = sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values())
   print(f"wrote {len(tensors)} tensors, {size / 2**20:.2f} MiB, to {args.output}")
