@@ -252,8 +252,22 @@ def test_state_of_another_policy_is_refused(mesh):
   plain = zerojax.zero1(optax.sgd(0.1), mesh=mesh)
   state = plain.init(models.make_params())
   grads = jax.tree.map(jnp.zeros_like, models.make_params())
-  with pytest.raises(ValueError, match="another precision policy"):
+  with pytest.raises(ValueError, match=r"another precision policy.*lacks master parameters"):
     tx.update(grads, state, params)
+
+
+def test_state_of_another_loss_scale_policy_is_refused(mesh):
+  # Stage 3 keeps no master copy either way: only the loss scale tells the states apart.
+  fp16, params, fp16_state = start(3, mesh, optax.sgd(0.1), FP16)
+  bf16 = zerojax.zero3(optax.sgd(0.1), mesh=mesh, precision="bf16")
+  bf16_state = bf16.init(models.make_params())
+  grads = jax.tree.map(jnp.zeros_like, models.make_params())
+  with pytest.raises(ValueError, match=r"another precision policy.*lacks a loss scale"):
+    fp16.update(grads, bf16_state, params)
+  with pytest.raises(ValueError, match=r"another precision policy.*lacks a loss scale"):
+    zerojax.value_and_grad(models.loss_fn, fp16)(params, *models.make_batch(), opt_state=bf16_state)
+  with pytest.raises(ValueError, match=r"another precision policy.*has a loss scale"):
+    bf16.update(grads, fp16_state, params)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -267,4 +281,40 @@ def test_bf16_drop_in_path_keeps_the_master_copy(stage, mesh):
   master = tx.gather(tx.master_params(params, state))
   jax.tree.map(
     lambda a, e: np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-3), master, bf16_reference()
+  )
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_drop_in_path_scales_the_loss_as_documented(stage, mesh):
+  # Plain jax.value_and_grad knows nothing of the loss scale: the step scales
+  # the loss and unscales the gradients itself (docs/precision.md), and then
+  # trains like zerojax.value_and_grad, loss-scale state included.
+  tx, params, state = start(stage, mesh, optax.sgd(0.1), FP16)
+
+  @jax.jit
+  def drop_in(params, state, *batch):
+    scale = state.loss_scale.scale
+    scaled_loss = lambda p: models.loss_fn(tx.unpad(p), *batch).astype(jnp.float32) * scale
+    loss, grads = jax.value_and_grad(scaled_loss)(params)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss / scale
+
+  @jax.jit
+  def explicit(params, state, *batch):
+    loss, grads = zerojax.value_and_grad(models.loss_fn, tx)(params, *batch, opt_state=state)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  ours, theirs = (params, state), (params, state)
+  for _ in range(3):
+    *ours, _ = explicit(*ours, *models.make_batch())
+    *theirs, _ = drop_in(*theirs, *models.make_batch())
+  assert int(ours[1].skipped_steps) == int(theirs[1].skipped_steps) == 0
+  jax.tree.map(np.testing.assert_array_equal, theirs[1].loss_scale, ours[1].loss_scale)
+  assert_close = lambda a, e: np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-3)
+  jax.tree.map(
+    assert_close,
+    tx.gather(tx.master_params(*theirs)),
+    tx.gather(tx.master_params(*ours)),
   )

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax._src import collectives
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
-from zerojax._src.zero import ZeroTransformation
+from zerojax._src.zero import ZeroTransformation, check_policy
 
 
 def value_and_grad(
@@ -174,6 +174,7 @@ def _loss_scale(tx: ZeroTransformation, opt_state: Any) -> jax.Array | None:
       "tx's precision policy scales the loss, and the scale lives in the optimizer "
       "state: call value_and_grad(loss_fn, tx)(params, *batch, opt_state=opt_state)."
     )
+  check_policy(opt_state, loss_scaled=True)
   return opt_state.loss_scale.scale
 
 

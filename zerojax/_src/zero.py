@@ -283,18 +283,8 @@ class Planner:
 
   def update(self, updates, state, params=None, **extra_args):
     plans = self.plans(updates if params is None else params)
-    if not isinstance(state, ZeroState):
-      raise ValueError(
-        f"state is a {type(state).__name__}, not a ZeroState: pass the state "
-        "that this transformation's init returned."
-      )
+    check_policy(state, master=plans.master is not None, loss_scaled=plans.loss_scaled)
     _check_shapes(state.inner_state, plans.state, "optimizer state")
-    if (state.master is None) != (plans.master is None):
-      raise ValueError(
-        "the optimizer state was made for another precision policy (it "
-        f"{'lacks' if state.master is None else 'has'} master parameters): pass "
-        "the state that this transformation's init returned."
-      )
     if plans.master is not None and params is None:
       raise ValueError(
         "this transformation keeps master parameters apart from the (lower-"
@@ -341,6 +331,30 @@ class Planner:
 
     out_specs = (plans.params.specs(), plans.state_specs())
     return mesh_lib.global_view(self.mesh, update, out_specs)(updates, state, params)
+
+
+def check_policy(
+  state: Any, *, master: bool | None = None, loss_scaled: bool | None = None
+) -> None:
+  """Raises unless ``state`` is a ``ZeroState`` with (or without) a master copy and loss scale.
+
+  ``None`` leaves that part unchecked.
+  """
+  if not isinstance(state, ZeroState):
+    raise ValueError(
+      f"state is a {type(state).__name__}, not a ZeroState: pass the state "
+      "that this transformation's init returned."
+    )
+  for what, expected, has in (
+    ("master parameters", master, state.master is not None),
+    ("a loss scale", loss_scaled, state.loss_scale is not None),
+  ):
+    if expected is not None and expected != has:
+      raise ValueError(
+        f"the optimizer state was made for another precision policy (it "
+        f"{'has' if has else 'lacks'} {what}): pass the state that this "
+        "transformation's init returned."
+      )
 
 
 def bookkeeping(policy: precision_lib.Precision) -> dict[str, Any]:
