@@ -14,6 +14,7 @@ on both sides, so this gives back the saved values exactly.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -268,7 +269,7 @@ def _reading_plan(spec: StateSpec, saved_master: tuple[str | int, ...]) -> Any:
   A checkpoint's rounded parameters (beside a separate master copy) are not
   read at all.
   """
-  master = _at(spec.stored, spec.master_path)
+  master = at(spec.stored, spec.master_path)
   item = spec.stored
   if _separate(spec.master_path):
     item = _with(item, spec.master_path, None)
@@ -279,7 +280,7 @@ def _reading_plan(spec: StateSpec, saved_master: tuple[str | int, ...]) -> Any:
 
 def _master_in_place(spec: StateSpec, saved_master: tuple[str | int, ...], state: Any) -> Any:
   """A state read by ``_reading_plan``, its master copy moved back to where the spec has it."""
-  master = _at(state, saved_master)
+  master = at(state, saved_master)
   if _separate(saved_master):
     state = _with(state, saved_master, None)
   state = _with(state, spec.master_path, master)
@@ -301,13 +302,10 @@ def _rounded(master: Any, logical: Any, stored: Any) -> Any:
   )(master)
 
 
-def _child(tree: Any, key: str | int) -> Any:
-  return tree[key] if isinstance(tree, dict) or isinstance(key, int) else getattr(tree, key)
-
-
-def _at(tree: Any, keys: tuple[str | int, ...]) -> Any:
+def at(tree: Any, keys: Sequence[str | int]) -> Any:
+  """The node of ``tree`` at ``keys`` (dict keys, sequence indices, attribute names)."""
   for key in keys:
-    tree = _child(tree, key)
+    tree = tree[key] if isinstance(tree, dict) or isinstance(key, int) else getattr(tree, key)
   return tree
 
 

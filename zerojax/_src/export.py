@@ -91,7 +91,7 @@ def _master_leaves(directory: str | os.PathLike, step: int | None):
     # The containers as Orbax saved them (tuples become lists), which a read's
     # template must repeat.
     saved = manager.item_metadata(step)["state"].tree
-    yield leaves, functools.partial(_read, manager, step, saved), _at(saved, prefix)
+    yield leaves, functools.partial(_read, manager, step, saved), checkpoint_lib.at(saved, prefix)
 
 
 # Orbax logs this warning whenever a read-only manager is made or used: what
@@ -119,7 +119,9 @@ def _read(manager: ocp.CheckpointManager, step: int, saved: Any, leaf: _Leaf) ->
     item=_only(saved, leaf.keys, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)),
     restore_args=_only(saved, leaf.keys, restore_args),
   )
-  restored = _at(manager.restore(step, args=ocp.args.Composite(state=args))["state"], leaf.keys)
+  restored = checkpoint_lib.at(
+    manager.restore(step, args=ocp.args.Composite(state=args))["state"], leaf.keys
+  )
   array = np.asarray(restored)
   del restored
   widened = array.astype(full_precision(array.dtype), copy=False)
@@ -130,18 +132,12 @@ def _read(manager: ocp.CheckpointManager, step: int, saved: Any, leaf: _Leaf) ->
   return widened
 
 
-def _at(tree: Any, keys: list[str | int]) -> Any:
-  for key in keys:
-    tree = tree[key]
-  return tree
-
-
 def _only(saved: Any, keys: list[str | int], value: Any) -> Any:
   """``saved``'s tree with ``value`` at ``keys`` and placeholders (not read) everywhere else."""
-  template = jax.tree.map(lambda _: ocp.PLACEHOLDER, saved)
   if not keys:
     return value
-  parent = _at(template, keys[:-1])
+  template = jax.tree.map(lambda _: ocp.PLACEHOLDER, saved)
+  parent = checkpoint_lib.at(template, keys[:-1])
   parent[keys[-1]] = value
   return template
 

@@ -160,7 +160,7 @@ def _pick(policy_dtype: np.dtype | None, dtype: Any) -> np.dtype:
 
 
 def resolve(precision: Precision | str | None) -> Precision:
-  """The policy a factory argument names (``None`` means all float32)."""
+  """The policy a factory argument names (``None``: ``Precision()``, which casts nothing)."""
   if precision is None:
     return Precision()
   if isinstance(precision, str):
