@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax._src import collectives
+from zerojax._src import collectives, ordering
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src.zero import ZeroTransformation, check_policy
@@ -95,6 +95,9 @@ def value_and_grad(
   if not isinstance(microbatches, int) or microbatches < 1:
     raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
   axis = tx.axis_name
+  # XLA:CPU can start a collective while a loop's collectives are still under
+  # way, and devices then meet in the wrong one; see zerojax/_src/ordering.py.
+  linked = ordering.links_needed(tx.mesh)
 
   def value_and_grad_fn(params, *batch, opt_state=None):
     plans = tx._planner.plans(params)
@@ -118,11 +121,15 @@ def value_and_grad(
         grads, (loss, aux) = jax.grad(local_loss, has_aux=True)(differentiable, *chunk)
         return loss, aux, sharded.map(lambda leaf, g: _accumulable(leaf, g, tx), grads)
 
+      if linked and microbatches > 1:
+        micro_step = ordering.link_loops(micro_step)
       loss, aux, grads = _accumulate(micro_step, batch, microbatches, axis)
       divisor = tx.num_shards * microbatches
       grads = sharded.map(lambda leaf, g: _reduce(leaf, g, tx, divisor, scale), grads)
       return jax.lax.pmean(loss, axis), aux, grads
 
+    if linked:
+      per_device = ordering.link_loops(per_device)
     batch_specs = tuple(jax.tree.map(lambda _: P(axis), b) for b in batch)
     if mesh_lib.is_explicit(tx.mesh):
       # Explicit axes: shard_map takes inputs only as they are typed, so place them.
