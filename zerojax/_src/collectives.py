@@ -189,8 +189,16 @@ _all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
 def scatter(x: jax.Array, dim: int, axis_name: str) -> jax.Array:
-  """Reduce-scatters a full per-device array into this device's padded shard (a sum)."""
+  """Reduce-scatters a full per-device array into this device's padded shard (a sum).
+
+  An array of stacked layers whose sharded dimension is not its first is
+  reduce-scattered one layer at a time: a collective over a dimension other
+  than the most major moves strided blocks, and XLA lays the whole array out
+  again first, a second full-size copy of the gradient.
+  """
   axis = x.ndim + dim
+  if axis > 0 and x.ndim > 2:
+    return jax.lax.map(lambda layer: scatter(layer, dim, axis_name), x)
   padding = -x.shape[axis] % jax.lax.axis_size(axis_name)
   if padding:
     widths = [(0, 0)] * x.ndim
