@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import zerojax
+from tests import collective_order_worker as worker
 
 LAYERS, WIDTH = 16, 256
 N = 8
@@ -93,14 +94,62 @@ def test_stage3_scan_never_holds_the_whole_model():
   assert temp < 0.5 * MODEL_BYTES
 
 
-@pytest.mark.parametrize("stage, ratio", [(1, 1.8), (2, 1.0), (3, 0.5)])
+@pytest.mark.parametrize("stage, ratio", [(1, 1.10), (2, 1.0), (3, 0.5)])
 def test_no_stage_adds_much_transient_memory_over_data_parallelism(stage, ratio):
   # Stage 1 holds each device's full local gradient until the reduce-scatter,
-  # and the all-gathered updates, where plain DP all-reduces in place: the
-  # measured ratios are about 1.65 (stage 1), 0.88 (stage 2) and 0.34 (stage 3).
-  # Stage 2 above 1.0 would mean the remat policy saved the full weights again.
+  # as plain DP holds its gradient until the all-reduce: measured 1.06 (it was
+  # 1.65 when XLA laid the stacked gradient out again for one reduce-scatter),
+  # 0.88 (stage 2) and 0.28 (stage 3). Stage 2 above 1.0 would mean the remat
+  # policy saved the full weights again.
   baseline = compiled(0)[0].memory_analysis().temp_size_in_bytes
   assert compiled(stage)[0].memory_analysis().temp_size_in_bytes <= ratio * baseline
+
+
+@functools.cache
+def parameter_heavy_temporaries(setup: str) -> int:
+  """Temporary bytes of a step of the stage-costs report's model: "dp", "fsdp", or a stage.
+
+  A deep stack of wide scanned layers, a small batch, and prime-shaped leaves
+  after the stack (tests/collective_order_worker.py), so that what a stage
+  holds on top of its parameters and state is most of the step's memory.
+  """
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  params = worker.make_params()
+  x = jax.device_put(jnp.ones((64, 512)), jax.NamedSharding(mesh, jax.P("data")))
+  if setup in ("dp", "fsdp"):
+
+    def spec(shape):
+      dim = zerojax.default_shard_dim(shape, N)
+      if setup == "dp" or dim is None or shape[dim] % N:
+        return jax.P()
+      return jax.P(*(("data" if d == len(shape) + dim else None) for d in range(len(shape))))
+
+    params = jax.tree.map(
+      lambda p: jax.device_put(p, jax.NamedSharding(mesh, spec(p.shape))), params
+    )
+    state = optax.adam(1e-3).init(params)
+    grad_fn, tx = jax.grad(worker.loss_fn), optax.adam(1e-3)
+  else:
+    tx = getattr(zerojax, f"zero{setup}")(optax.adam(1e-3), mesh=mesh)
+    params = tx.shard(params)
+    state = tx.init(params)
+    grad_fn = lambda params, x: zerojax.value_and_grad(worker.loss_fn, tx)(params, x)[1]
+
+  def step(params, state, x):
+    updates, state = tx.update(grad_fn(params, x), state, params)
+    return optax.apply_updates(params, updates), state
+
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize(
+  "stage, baseline, ratio", [(1, "dp", 1.10), (2, "dp", 1.0), (3, "fsdp", 1.0)]
+)
+def test_parameter_heavy_stage_costs(stage, baseline, ratio):
+  # Measured: stage 1 1.03x replicated DP (it was 1.67x), stage 2 0.81x DP,
+  # stage 3 0.97x GSPMD FSDP (it was 1.09x).
+  assert parameter_heavy_temporaries(stage) <= ratio * parameter_heavy_temporaries(baseline)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
