@@ -40,6 +40,9 @@ myst_heading_anchors = 4  # `[...](guide.md#the-drop-in-path)` links resolve to 
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+# Attribute types would be printed with private module paths (jax._src.mesh.Mesh); the
+# descriptions say what each attribute is.
+napoleon_attr_annotations = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_default_options = {"exclude-members": "__new__, __init__, _asdict, _make, _replace"}

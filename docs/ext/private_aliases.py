@@ -24,8 +24,11 @@ def resolve(
   domain = env.get_domain("py")
   if f"zerojax.{name}" not in domain.objects:
     return None
+  shown = nodes.Text(name) if isinstance(contnode, nodes.Text) else contnode.deepcopy()
+  for text in [] if isinstance(shown, nodes.Text) else list(shown.findall(nodes.Text)):
+    text.parent.replace(text, nodes.Text(name))  # the public name, not the private path
   return domain.resolve_xref(
-    env, node["refdoc"], app.builder, node["reftype"], f"zerojax.{name}", node, contnode
+    env, node["refdoc"], app.builder, node["reftype"], f"zerojax.{name}", node, shown
   )
 
 
