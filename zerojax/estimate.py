@@ -1,8 +1,10 @@
 """Command line: per-device memory of model states across ZeRO stages and device counts.
 
 Examples:
-  python -m zerojax.estimate --params 7.5e9 --devices 1 4 16 64 256 1024
-  python -m zerojax.estimate --params 1.3e9 --devices 8 --optimizer adafactor --dtype float32
+  From a shell::
+
+    python -m zerojax.estimate --params 7.5e9 --devices 1 4 16 64 256 1024
+    python -m zerojax.estimate --params 1.3e9 --devices 8 --optimizer adafactor --dtype float32
 """
 
 from __future__ import annotations
