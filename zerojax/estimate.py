@@ -1,8 +1,10 @@
 """Command line: per-device memory of model states across ZeRO stages and device counts.
 
 Examples:
-  python -m zerojax.estimate --params 7.5e9 --devices 1 4 16 64 256 1024
-  python -m zerojax.estimate --params 1.3e9 --devices 8 --optimizer adafactor --dtype float32
+  From a shell::
+
+    python -m zerojax.estimate --params 7.5e9 --devices 1 4 16 64 256 1024
+    python -m zerojax.estimate --params 1.3e9 --devices 8 --optimizer adafactor --dtype float32
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import optax
 
 from zerojax._src.estimate import STAGES, estimate_memory, estimate_tree_memory
 
+__all__ = ("main", "state_bytes_per_param", "table")
+
 _STAGE_NAMES = {0: "plain DP", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 
@@ -23,6 +27,11 @@ def state_bytes_per_param(optimizer_name: str, dtype: str, shape=(4096, 4096)) -
 
   Counted on one ``shape`` matrix, so factored optimizers (Adafactor) report
   what they use on a typical weight matrix.
+
+  Example:
+    >>> from zerojax.estimate import state_bytes_per_param
+    >>> round(state_bytes_per_param("adamw", "float32"), 2)  # two float32 moments
+    8.0
   """
   factory = getattr(optax, optimizer_name, None)
   if factory is None:
@@ -33,7 +42,17 @@ def state_bytes_per_param(optimizer_name: str, dtype: str, shape=(4096, 4096)) -
 
 
 def table(num_params: float, devices: list[int], param_bytes, grad_bytes, state_bytes) -> str:
-  """The table ``main`` prints: GB per device for each stage and device count."""
+  """The table ``main`` prints: GB per device for each stage and device count.
+
+  Example:
+    The ZeRO paper's Table I, 7.5B parameters with mixed-precision Adam, on 64 devices:
+
+    >>> from zerojax.estimate import table
+    >>> print(table(7.5e9, [64], param_bytes=2, grad_bytes=2, state_bytes=12))
+     devices   plain DP      zero1      zero2      zero3
+    ----------------------------------------------------
+          64     120.00      31.41      16.64       1.88
+  """
   header = f"{'devices':>8} " + " ".join(f"{_STAGE_NAMES[s]:>10}" for s in STAGES)
   rows = [header, "-" * len(header)]
   for n in devices:
@@ -54,7 +73,13 @@ def table(num_params: float, devices: list[int], param_bytes, grad_bytes, state_
 
 
 def main(argv: list[str] | None = None) -> str:
-  """Parses ``argv``, prints the table and returns it."""
+  """Parses ``argv``, prints the table and returns it.
+
+  Example:
+    From a shell (installed as ``zerojax-estimate`` too)::
+
+      python -m zerojax.estimate --params 7.5e9 --devices 1 4 16 64 256 1024
+  """
   parser = argparse.ArgumentParser(
     prog="python -m zerojax.estimate",
     description="GB per device of parameters + gradients + optimizer state, per ZeRO stage "

@@ -1,7 +1,9 @@
 """Command line: write a checkpoint's full-precision parameters to one ``.safetensors`` file.
 
 Example:
-  python -m zerojax.export ckpt model.safetensors --step 600
+  From a shell::
+
+    python -m zerojax.export ckpt model.safetensors --step 600
 
 From Python, ``zerojax.export_safetensors("ckpt", "model.safetensors")`` does the same.
 """

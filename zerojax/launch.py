@@ -1,7 +1,9 @@
 """Command line: run a script as N local CPU processes of one multi-process JAX job.
 
 Example:
-  python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py --model tiny
+  From a shell::
+
+    python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py --model tiny
 
 From Python, ``zerojax.launch.launch([sys.executable, "script.py"], num_processes=2,
 devices_per_process=4)`` does the same and returns the exit status.

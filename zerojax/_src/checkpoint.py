@@ -44,6 +44,13 @@ class StateSpec(NamedTuple):
       whatever the device count or stage.
     master_path: the keys that lead from the state's root to its full-precision
       parameters (what ``export_safetensors`` writes).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> spec = zerojax.train_state_spec(tx, {"w": jnp.ones((5, 1001))})
+    >>> spec.stored["params"]["w"].shape, spec.logical["params"]["w"].shape, spec.master_path
+    ((5, 1008), (5, 1001), ('params',))
   """
 
   stored: Any

@@ -23,6 +23,12 @@ class MemoryEstimate(NamedTuple):
     grads: gradients.
     optimizer_state: optimizer state (with fp32 master weights, if any).
     total: the sum.
+
+  Example:
+    >>> import zerojax
+    >>> estimate = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3)
+    >>> [round(gigabytes / 1e9, 2) for gigabytes in estimate]
+    [0.23, 0.23, 1.41, 1.88]
   """
 
   params: float

@@ -196,6 +196,19 @@ def export_safetensors(
   Raises:
     ValueError: for a dtype safetensors cannot hold, or two parameters whose
       keys join to the same name.
+
+  Example:
+    >>> import os, tempfile, jax, jax.numpy as jnp, optax, zerojax
+    >>> tx = zerojax.zero2(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> params = {"layer": {"kernel": jnp.ones((4, 1024))}}
+    >>> directory = tempfile.mkdtemp()
+    >>> with zerojax.CheckpointManager(directory, zerojax.train_state_spec(tx, params)) as saver:
+    ...   saver.save(0, {"params": tx.shard(params), "opt_state": tx.init(params)})
+    True
+    >>> zerojax.export_safetensors(directory, os.path.join(directory, "model.safetensors"))
+    {'layer.kernel': ShapeDtypeStruct(shape=(4, 1024), dtype=float32)}
+
+    From a shell: ``python -m zerojax.export CHECKPOINT_DIR model.safetensors``.
   """
   with _master_leaves(directory, step) as (leaves, read, _):
     # The header, which lists every tensor's offsets, comes first; the layout
@@ -251,7 +264,13 @@ def _safetensors_dtype(name: str, dtype: np.dtype) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-  """``python -m zerojax.export``: a checkpoint's parameters to one ``.safetensors`` file."""
+  """``python -m zerojax.export``: a checkpoint's parameters to one ``.safetensors`` file.
+
+  Example:
+    From a shell (installed as ``zerojax-export`` too)::
+
+      python -m zerojax.export ckpt model.safetensors --step 600
+  """
   parser = argparse.ArgumentParser(
     prog="python -m zerojax.export",
     description="Write a zerojax checkpoint's full-precision parameters, unpadded, to one "

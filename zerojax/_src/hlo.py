@@ -39,6 +39,15 @@ class Collective:
       collective-permute's operand (the unreduced, unscattered array). This is
       the ZeRO paper's accounting, where gathering or reduce-scattering Ψ
       parameters moves "Ψ". A combined collective sums its arrays.
+
+  Example:
+    Summing an array split over 8 devices all-reduces one float32 per device:
+
+    >>> import jax, jax.numpy as jnp, zerojax
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> x = jax.device_put(jnp.ones(1024), jax.NamedSharding(mesh, jax.P("data")))
+    >>> zerojax.profile(jnp.sum, x).collectives["all-reduce"]
+    Collective(count=1, bytes=4)
   """
 
   count: int = 0

@@ -260,7 +260,13 @@ def _signals_raise():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """The command line: ``python -m zerojax.launch -n 2 [options] script.py [script args]``."""
+  """The command line: ``python -m zerojax.launch -n 2 [options] script.py [script args]``.
+
+  Example:
+    From a shell (installed as ``zerojax-launch`` too)::
+
+      python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py --model tiny
+  """
   parser = argparse.ArgumentParser(
     prog="python -m zerojax.launch",
     description="Run N processes of a Python script as one multi-process JAX job on this "

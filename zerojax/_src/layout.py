@@ -40,6 +40,13 @@ class LeafLayout(NamedTuple):
       shards (equal to the logical size when no padding is needed).
     spec: the stored array's ``PartitionSpec`` entries, one per dimension, the
       data axis included; entries for other mesh axes are kept as given.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> leaf = tx.layout({"w": jnp.ones((4, 1001))}).tree()["w"]
+    >>> leaf.dim, leaf.padded_size, leaf.stored_shape, leaf.spec
+    (-1, 1008, (4, 1008), (None, 'data'))
   """
 
   shape: tuple[int, ...]
@@ -98,6 +105,12 @@ class Layout(NamedTuple):
 
   Layouts are hashable and compare by value, so they can key caches and be
   closed over by jitted functions without causing recompilation.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> tx.layout({"w": jnp.ones((4, 1001)), "b": jnp.ones(4)}).specs()
+    {'b': P(), 'w': P(None, 'data')}
   """
 
   treedef: jax.tree_util.PyTreeDef
@@ -183,6 +196,11 @@ def default_shard_dim(shape: tuple[int, ...], num_shards: int, free_dims=None) -
 
   Returns:
     A negative dimension index, or ``None`` for a scalar.
+
+  Example:
+    >>> import zerojax
+    >>> zerojax.default_shard_dim((12, 1024, 512), num_shards=8)  # never the layer dimension
+    -2
   """
   ndim = len(shape)
   candidates = [d for d in range(1 if ndim >= 2 else 0, ndim)]

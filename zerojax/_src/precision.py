@@ -70,6 +70,14 @@ class LossScaleState(NamedTuple):
     scale: the current scale (float32 scalar).
     good_steps: overflow-free steps since the last overflow or growth.
     hysteresis: overflows still tolerated before the scale is halved.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = zerojax.zero1(optax.sgd(0.1), mesh=mesh, precision="fp16")
+    >>> loss_scale = tx.init({"w": jnp.zeros((8, 128))}).loss_scale
+    >>> float(loss_scale.scale), int(loss_scale.good_steps), int(loss_scale.hysteresis)
+    (65536.0, 0, 2)
   """
 
   scale: jax.Array

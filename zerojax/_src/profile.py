@@ -28,6 +28,12 @@ class StepProfile:
       its temporaries.
     collectives: per kind, executions and bytes per step (see
       ``zerojax.count_collectives``).
+
+  Example:
+    >>> import jax.numpy as jnp, zerojax
+    >>> report = zerojax.profile(lambda x: x @ x, jnp.ones((256, 256)))
+    >>> report.argument_bytes, report.output_bytes
+    (262144, 262144)
   """
 
   argument_bytes: int

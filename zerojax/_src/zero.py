@@ -36,6 +36,13 @@ class ZeroState(NamedTuple):
     pre_clip_grad_norm: the global L2 norm of the gradients the last
       ``update`` received, before the wrapped optimizer (and any clipping in
       it) saw them (float32 scalar).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> tx = zerojax.zero2(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> state = tx.init({"w": jnp.ones((4, 1024))})
+    >>> state.inner_state[0].mu["w"].sharding.shard_shape((4, 1024)), int(state.skipped_steps)
+    ((4, 128), 0)
   """
 
   inner_state: optax.OptState
@@ -64,6 +71,13 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     axis_name: the data-parallel mesh axis that everything is sharded over.
     inner: the wrapped transformation.
     precision: the ``zerojax.Precision`` policy.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> params = tx.shard({"w": jnp.ones((4, 1024))})
+    >>> tx.stage, params["w"].sharding.shard_shape((4, 1024)), tx.gather(params)["w"].shape
+    (3, (4, 128), (4, 1024))
   """
 
   stage: int

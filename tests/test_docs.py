@@ -1,0 +1,91 @@
+"""The documentation site's checks: a build with a gap in the API reference or a broken link fails.
+
+CI builds the real site with ``python -m sphinx -W --keep-going -b html docs docs/_build``
+(.ci/run) and so shows that the site as it is passes; these tests break a copy of it on
+purpose and show that the same command fails, naming what is wrong.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import zerojax
+import zerojax.flax
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(DOCS / "ext"))
+
+import coverage_check  # noqa: E402
+import internal_links  # noqa: E402
+
+
+def test_public_names_cover_the_package_and_its_public_modules():
+  names = coverage_check.public_names("zerojax")
+  assert {f"zerojax.{name}" for name in zerojax.__all__} <= set(names)
+  assert {f"zerojax.flax.{name}" for name in zerojax.flax.__all__} <= set(names)
+  assert {"zerojax.launch.launch", "zerojax.export.main", "zerojax.estimate.main"} <= set(names)
+  assert not [name for name in names if "._" in name]
+
+
+def test_broken_internal_links_are_found(tmp_path):
+  (tmp_path / "img").mkdir()
+  (tmp_path / "img" / "plot.png").write_bytes(b"png")
+  (tmp_path / "a.html").write_text(
+    '<h1 id="top">A</h1><a href="#top">ok</a><a href="b.html#part">ok</a>'
+    '<img src="img/plot.png"><a href="https://example.org/missing">external, not followed</a>'
+    '<a href="#bottom">bad</a><a href="b.html#nowhere">bad</a><a href="c.html">bad</a>'
+    '<img src="img/missing.png">'
+  )
+  (tmp_path / "b.html").write_text('<section id="part"><a href="a.html">ok</a></section>')
+  assert [link for _, link, _ in internal_links.broken_links(tmp_path)] == [
+    "#bottom",
+    "b.html#nowhere",
+    "c.html",
+    "img/missing.png",
+  ]
+
+
+def test_site_build_fails_on_a_gap_in_the_reference_a_lost_page_and_broken_links(tmp_path):
+  # The site reads README.md (its front page) and links to the examples.
+  docs = tmp_path / "docs"
+  shutil.copytree(DOCS, docs, ignore=shutil.ignore_patterns("_build"))
+  shutil.copytree(ROOT / "examples", tmp_path / "examples")
+  shutil.copy(ROOT / "README.md", tmp_path)
+  api = (docs / "api.md").read_text()
+  for entry, replacement in [
+    (".. autofunction:: zero2\n", ""),  # zero2 is no longer documented
+    # default_shard_dim is documented, but without its docstring's example
+    (".. autofunction:: default_shard_dim\n", ".. function:: default_shard_dim(shape)\n"),
+  ]:
+    assert entry in api
+    api = api.replace(entry, replacement)
+  (docs / "api.md").write_text(api)
+  (docs / "new_page.md").write_text("# A page nobody put in a toctree\n")
+  with (docs / "guide.md").open("a") as guide:
+    guide.write(
+      "\n[a page that is not there](no_such_page.md), [a heading that is not there]"
+      '(precision.md#no-such-heading), <a href="api.html#zerojax.no_such_name">raw HTML</a>\n'
+    )
+  build = subprocess.run(
+    [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", docs, docs / "_b"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert build.returncode != 0
+  for message in [
+    "public name zerojax.zero2 is not documented",
+    "public name zerojax.default_shard_dim has no example",
+    "'no_such_page.md'",
+    "'no-such-heading'",
+    "broken internal link 'api.html#zerojax.no_such_name' in guide.html",
+    "new_page.md: WARNING: document isn't included in any toctree",
+  ]:
+    assert message in build.stderr, build.stderr
+  # Nothing else is wrong with the copy: every warning is about one of the breakages.
+  levels = ("WARNING", "ERROR", "CRITICAL")
+  warnings = [line for line in build.stderr.splitlines() if any(level in line for level in levels)]
+  culprits = ("zero2", "default_shard_dim", "no_such", "no-such-heading", "new_page")
+  assert all(any(culprit in line for culprit in culprits) for line in warnings), build.stderr
