@@ -76,11 +76,14 @@ class Shard:
       reduce-scattered gradient; ``None`` in stage 3.
     dim: the sharded dimension, counted from the end.
     size: the logical (unpadded) size of that dimension.
-    axis_name: the data-parallel mesh axis.
+    axis_name: the data-parallel mesh axis, or tuple of axes.
     compute_dtype: the dtype ``gather`` returns (the precision policy's
       compute dtype); ``None`` keeps ``value``'s.
     reduce_dtype: the dtype the gradient is reduce-scattered in; ``None``
       keeps the gradient's.
+    replica_axes: the other axes the batch is split over (hybrid sharding).
+      The gradient is reduce-scattered over ``axis_name`` only and left
+      varying over these, for ``value_and_grad`` to sum once per step.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zerojax
@@ -100,6 +103,7 @@ class Shard:
   axis_name: str = dataclasses.field(metadata=dict(static=True))
   compute_dtype: Any = dataclasses.field(default=None, metadata=dict(static=True))
   reduce_dtype: Any = dataclasses.field(default=None, metadata=dict(static=True))
+  replica_axes: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
   def __jax_array__(self):
     raise TypeError(
@@ -145,7 +149,11 @@ def _gather(shard: Shard) -> jax.Array:
   else:
     # Stage 2 stores the replicated copy in the compute dtype already.
     dtypes = _Dtypes(shard.value.dtype, shard.reduce_dtype, shard.sink.dtype)
-    full = _read_whole(shard.value, shard.sink, shard.dim, shard.axis_name, dtypes)
+    # The gradient's padded size: a dimension shared with other mesh axes may
+    # be padded to more than a multiple of the data shards.
+    padded = shard.sink.shape[shard.sink.ndim + shard.dim] * jax.lax.axis_size(shard.axis_name)
+    place = _Placement(shard.dim, padded, shard.axis_name, shard.replica_axes)
+    full = _read_whole(shard.value, shard.sink, place, dtypes)
   return checkpoint_name(full, GATHERED)
 
 
@@ -198,8 +206,11 @@ def _all_gather_bwd(axis, axis_name, dtypes, residuals, cotangent):
 _all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
-def scatter(x: jax.Array, dim: int, axis_name: str) -> jax.Array:
+def scatter(x: jax.Array, dim: int, axis_name: Any, size: int | None = None) -> jax.Array:
   """Reduce-scatters a full per-device array into this device's padded shard (a sum).
+
+  ``dim`` is zero-padded to ``size`` first (by default, to the next multiple of
+  the number of shards).
 
   An array of stacked layers whose sharded dimension is not its first is
   reduce-scattered one layer at a time: a collective over a dimension other
@@ -208,8 +219,10 @@ def scatter(x: jax.Array, dim: int, axis_name: str) -> jax.Array:
   """
   axis = x.ndim + dim
   if axis > 0 and x.ndim > 2:
-    return jax.lax.map(lambda layer: scatter(layer, dim, axis_name), x)
-  padding = -x.shape[axis] % jax.lax.axis_size(axis_name)
+    return jax.lax.map(lambda layer: scatter(layer, dim, axis_name, size), x)
+  if size is None:
+    size = -(-x.shape[axis] // jax.lax.axis_size(axis_name)) * jax.lax.axis_size(axis_name)
+  padding = size - x.shape[axis]
   if padding:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, padding)
@@ -217,24 +230,34 @@ def scatter(x: jax.Array, dim: int, axis_name: str) -> jax.Array:
   return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _read_whole(value, sink, dim, axis_name, dtypes):
+class _Placement(NamedTuple):
+  """Where a stage-2 gradient goes: its dimension, padded size and axes."""
+
+  dim: int
+  padded: int
+  axis_name: Any
+  replica_axes: tuple[str, ...]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _read_whole(value, sink, place, dtypes):
   """Reads a replicated parameter; its gradient goes, reduce-scattered, to ``sink``."""
-  del sink, dim, dtypes
+  del sink, dtypes
   # Varying, so that the cotangent reaching the backward pass is this device's
-  # own, not one JAX has already all-reduced.
-  return jax.lax.pcast(value, axis_name, to="varying")
+  # own, not one JAX has already all-reduced (over replicas either).
+  data = (place.axis_name,) if isinstance(place.axis_name, str) else tuple(place.axis_name)
+  return jax.lax.pcast(value, (*data, *place.replica_axes), to="varying")
 
 
-def _read_whole_fwd(value, sink, dim, axis_name, dtypes):
-  return _read_whole(value, sink, dim, axis_name, dtypes), None
+def _read_whole_fwd(value, sink, place, dtypes):
+  return _read_whole(value, sink, place, dtypes), None
 
 
-def _read_whole_bwd(dim, axis_name, dtypes, residuals, cotangent):
+def _read_whole_bwd(place, dtypes, residuals, cotangent):
   del residuals
   # The stored replicated copy is already in the compute dtype (the master copy
   # lives elsewhere), so the cotangent's shape and dtype are the value's.
-  grad = scatter(dtypes.for_reduction(cotangent), dim, axis_name)
+  grad = scatter(dtypes.for_reduction(cotangent), place.dim, place.axis_name, place.padded)
   return jnp.zeros(cotangent.shape, cotangent.dtype), grad.astype(dtypes.grad)
 
 

@@ -142,7 +142,9 @@ def estimate_tree_memory(
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
   policy = precision_lib.resolve(precision)
   mesh = jax.sharding.AbstractMesh((num_devices,), ("data",))
-  planner = zero_lib.Planner(optimizer, max(stage, 1), mesh, "data", None, min_shard_size, policy)
+  planner = zero_lib.Planner(
+    optimizer, max(stage, 1), mesh, ("data",), (), None, min_shard_size, policy
+  )
   plans = planner.plan(abstract)
   state = [plans.state] + ([plans.master] if plans.master is not None else [])
   if stage:

@@ -94,7 +94,10 @@ def value_and_grad(
     )
   if not isinstance(microbatches, int) or microbatches < 1:
     raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
-  axis = tx.axis_name
+  data = layout_lib.entry(tx.data_axes)
+  # The axes the batch is split over, replicas first (major), and that
+  # shard_map manages; the others (tensor parallelism) stay the compiler's.
+  manual = tx.replica_axes + tx.data_axes
   # XLA:CPU can start a collective while a loop's collectives are still under
   # way, and devices then meet in the wrong one; see zerojax/_src/ordering.py.
   linked = ordering.links_needed(tx.mesh)
@@ -105,8 +108,8 @@ def value_and_grad(
     _check_batch(batch, tx, microbatches)
     scale = _loss_scale(tx, opt_state)
     sharded = plans.sharded
-    param_specs = plans.params.map(lambda leaf: _data_only(leaf, axis))
-    grad_specs = sharded.map(lambda leaf: _data_only(leaf, axis))
+    param_specs = plans.params.map(lambda leaf: _data_only(leaf, data))
+    grad_specs = sharded.map(lambda leaf: _data_only(leaf, data))
 
     def per_device(params, scale, *batch):
       differentiable = sharded.map(lambda leaf, x: _differentiable(leaf, x, tx), params)
@@ -123,14 +126,14 @@ def value_and_grad(
 
       if linked and microbatches > 1:
         micro_step = ordering.link_loops(micro_step)
-      loss, aux, grads = _accumulate(micro_step, batch, microbatches, axis)
-      divisor = tx.num_shards * microbatches
+      loss, aux, grads = _accumulate(micro_step, batch, microbatches, manual)
+      divisor = tx.num_shards * tx.num_replicas * microbatches
       grads = sharded.map(lambda leaf, g: _reduce(leaf, g, tx, divisor, scale), grads)
-      return jax.lax.pmean(loss, axis), aux, grads
+      return jax.lax.pmean(loss, manual), aux, grads
 
     if linked:
       per_device = ordering.link_loops(per_device)
-    batch_specs = tuple(jax.tree.map(lambda _: P(axis), b) for b in batch)
+    batch_specs = tuple(jax.tree.map(lambda _: P(manual), b) for b in batch)
     if mesh_lib.is_explicit(tx.mesh):
       # Explicit axes: shard_map takes inputs only as they are typed, so place them.
       params = _reshard(params, plans.params.specs(), tx.mesh)
@@ -139,15 +142,15 @@ def value_and_grad(
       per_device,
       mesh=tx.mesh,
       in_specs=(param_specs, P(), *batch_specs),
-      out_specs=(P(), P(axis), grad_specs),
-      axis_names={axis},
+      out_specs=(P(), P(manual), grad_specs),
+      axis_names=set(manual),
     )(params, scale, *batch)
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
   return value_and_grad_fn
 
 
-def _accumulate(micro_step, batch, microbatches, axis):
+def _accumulate(micro_step, batch, microbatches, manual):
   """Runs ``micro_step`` on each of ``microbatches`` slices of ``batch``, summing gradients.
 
   Returns the mean loss, every slice's aux stacked in batch order, and the
@@ -160,7 +163,7 @@ def _accumulate(micro_step, batch, microbatches, axis):
   chunks = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
   first = jax.tree.map(lambda x: x[0], chunks)
   zeros = jax.tree.map(
-    lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axis, to="varying"),
+    lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), manual, to="varying"),
     jax.eval_shape(micro_step, first)[2],
   )
 
@@ -194,25 +197,33 @@ def _reshard(tree, specs, mesh):
   )
 
 
-def _data_only(leaf: layout_lib.LeafLayout, axis_name: str) -> P:
-  """The leaf's spec over the data axis alone (``shard_map`` manages only that axis)."""
+def _data_only(leaf: layout_lib.LeafLayout, data: Any) -> P:
+  """The leaf's spec over the data axes alone (the other axes are not ``shard_map``'s)."""
   if leaf.dim is None:
     return P()
   spec = [None] * len(leaf.shape)
-  spec[leaf.dim] = axis_name
+  spec[leaf.dim] = data
   return P(*spec)
+
+
+def _per_device(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """``x`` typed as varying over ``axes``: a device's own, which JAX must not sum for us."""
+  return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 def _differentiable(leaf, x, tx):
   """What the gradient is taken with respect to, per device."""
+  manual = tx.replica_axes + tx.data_axes
   if leaf.dim is None or tx.stage == 1:
-    # A device's own gradient: varying, so JAX does not all-reduce it for us.
-    return jax.lax.pcast(x, tx.axis_name, to="varying")
+    return _per_device(x, manual)
   if tx.stage == 2:
     shape = list(leaf.stored_shape)
     shape[leaf.dim] //= tx.num_shards
-    return jax.lax.pcast(np.zeros(shape, leaf.dtype), tx.axis_name, to="varying")
-  return x
+    return _per_device(np.zeros(shape, leaf.dtype), manual)
+  # Stage 3: the shard already varies over the data axes; over replicas it is
+  # made a device's own too, so its gradient is summed across them once, at
+  # the end, rather than by JAX at every use.
+  return _per_device(x, tx.replica_axes)
 
 
 def _for_loss(leaf, param, differentiable, tx):
@@ -223,7 +234,14 @@ def _for_loss(leaf, param, differentiable, tx):
   reduce = tx.precision.reduce_dtype(leaf.dtype)
   value, sink = (param, differentiable) if tx.stage == 2 else (differentiable, None)
   return collectives.Shard(
-    value, sink, leaf.dim, leaf.shape[leaf.dim], tx.axis_name, compute, reduce
+    value,
+    sink,
+    leaf.dim,
+    leaf.shape[leaf.dim],
+    layout_lib.entry(tx.data_axes),
+    compute,
+    reduce,
+    tx.replica_axes,
   )
 
 
@@ -240,22 +258,36 @@ def _accumulable(leaf, grad, tx):
 
 
 def _reduce(leaf, grad, tx, divisor, scale):
-  """Finishes one leaf's gradient: a sum over devices, then the mean, unscaled."""
+  """Finishes one leaf's gradient: a sum over devices, then the mean, unscaled.
+
+  Sharded gradients are reduce-scattered inside each data group, and only the
+  shard-sized result is summed across replicas.
+  """
   if leaf.dim is None:
-    grad = jax.lax.psum(grad, tx.axis_name)
-  elif tx.stage == 1:
-    grad = collectives.scatter(grad, leaf.dim, tx.axis_name)
+    grad = jax.lax.psum(grad, tx.replica_axes + tx.data_axes)
+  else:
+    if tx.stage == 1:
+      grad = collectives.scatter(grad, leaf.dim, layout_lib.entry(tx.data_axes), leaf.padded_size)
+    if tx.replica_axes:
+      grad = jax.lax.psum(grad, tx.replica_axes)
   grad = grad.astype(leaf.dtype) / divisor
   return grad if scale is None else grad / scale
 
 
 def _check_batch(batch, tx, microbatches) -> None:
-  n = tx.num_shards
+  n = tx.num_shards * tx.num_replicas
   for index, argument in enumerate(batch):
     for path, x in jax.tree_util.tree_flatten_with_path(argument)[0]:
       shape = np.shape(x)
       if not shape or shape[0] % (n * microbatches):
-        split = f"{n} devices of mesh axis {tx.axis_name!r}"
+        axes = tx.replica_axes + tx.data_axes
+        split = (
+          f"{n} devices of mesh axes {axes}"
+          if len(axes) > 1
+          else f"{n} devices of mesh axis {axes[0]!r}"
+        )
+        if tx.replica_axes:
+          split += f" ({tx.num_replicas} replicas x {tx.num_shards} shards)"
         if microbatches > 1:
           split += f" times {microbatches} micro-batches"
         raise ValueError(

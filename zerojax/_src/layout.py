@@ -1,10 +1,12 @@
-"""The layout plan: for every leaf, which dimension is sharded over the data axis.
+"""The layout plan: for every leaf, which dimension is sharded over the data axes.
 
-The plan is computed once, from shapes alone, and every other module reads it.
-A leaf is either replicated over the data axis or sharded along exactly one
-dimension. A sharded dimension that does not divide by the number of devices is
-padded with zeros up to the next multiple, because tiled collectives and
-``jax.device_put`` both need even shards.
+The plan is computed once, from shapes and the leaves' own placements, and
+every other module reads it. A leaf is either replicated over the data axes or
+sharded along exactly one dimension, on its own or jointly with mesh axes the
+user already placed it on (tensor parallelism). A sharded dimension that does
+not divide by the number of shards is padded with zeros up to the next
+multiple, because tiled collectives and ``jax.device_put`` both need even
+shards.
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ class LeafLayout(NamedTuple):
     """The stored array's ``PartitionSpec``."""
     return _trimmed(self.spec)
 
-  def full_spec(self, axis_name: str) -> P:
-    """The spec of the gathered array: the data axis removed, others kept."""
+  def full_spec(self, axis_name: str | tuple[str, ...]) -> P:
+    """The spec of the gathered array: the data axes removed, others kept."""
     return _trimmed(tuple(_without(entry, axis_name) for entry in self.spec))
 
   def pad(self, x: jax.Array) -> jax.Array:
@@ -179,126 +181,195 @@ def signature(tree: Any) -> tuple[Any, ...]:
   return (treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in leaves))
 
 
-def default_shard_dim(shape: tuple[int, ...], num_shards: int, free_dims=None) -> int | None:
+def default_shard_dim(
+  shape: tuple[int, ...],
+  num_shards: int,
+  free_dims: Any = None,
+  taken: dict[int, int] | None = None,
+) -> int | None:
   """The dimension the default rule shards, counted from the end.
 
   The leading dimension of a leaf with two or more dimensions is never chosen:
   it is the layer dimension of stacked (scanned) weights, and a scan body must
   see a whole layer's shard. Among the other dimensions, one that divides by
   ``num_shards`` is preferred (no padding), and among those the most major
-  (first); if none divides, the largest is padded.
+  (first). A dimension other mesh axes already split (``taken``) is shared
+  only when no free one divides: the data axes then split it jointly, and it
+  must divide by ``num_shards`` times those axes' size. If nothing divides,
+  the largest free dimension is padded (a taken one if none is free).
 
   Args:
     shape: the leaf's logical shape.
-    num_shards: the size of the data axis.
-    free_dims: dimensions (non-negative) not already taken by other mesh axes;
-      all of them by default.
+    num_shards: the number of data shards (the data axes' size).
+    free_dims: dimensions (non-negative) that may be chosen; all by default.
+    taken: for dimensions that other mesh axes split, how many ways.
 
   Returns:
     A negative dimension index, or ``None`` for a scalar.
 
   Example:
     >>> import zerojax
-    >>> zerojax.default_shard_dim((12, 1024, 512), num_shards=8)  # never the layer dimension
+    >>> zerojax.default_shard_dim((16, 512, 512), 8)  # stacked layers: never dim 0
     -2
+    >>> zerojax.default_shard_dim((16, 512), 8, taken={1: 2})  # joins a tensor-parallel axis
+    -1
   """
   ndim = len(shape)
+  taken = taken or {}
   candidates = [d for d in range(1 if ndim >= 2 else 0, ndim)]
   if free_dims is not None:
     candidates = [d for d in candidates if d in free_dims]
-  if not candidates:
-    return None
-  divisible = [d for d in candidates if shape[d] % num_shards == 0]
-  # The most major divisible dimension: its shards are contiguous blocks, which
-  # collectives move several times faster than strided ones (measured on
+  free = [d for d in candidates if d not in taken]
+  joint = [d for d in candidates if d in taken]
+  # The most major dimension that divides: its shards are contiguous blocks,
+  # which collectives move several times faster than strided ones (measured on
   # XLA:CPU: a reduce-scatter over dim 0 of a 1024x1024 block is ~10x faster
   # than over dim 1), and inside a scan body dim 1 of a stacked leaf is dim 0.
   # With no divisible dimension, pad the largest: the least padding relative
   # to the leaf.
-  best = divisible[0] if divisible else max(candidates, key=lambda d: (shape[d], d))
-  return best - ndim
+  for group in (free, joint):
+    divisible = [d for d in group if shape[d] % (num_shards * taken.get(d, 1)) == 0]
+    if divisible:
+      return divisible[0] - ndim
+  for group in (free, joint):
+    if group:
+      return max(group, key=lambda d: (shape[d], d)) - ndim
+  return None
 
 
 def plan(
   tree: Any,
   *,
-  axis_name: str,
+  axis_name: str | tuple[str, ...],
   num_shards: int,
   shard: bool = True,
   rule: LayoutRule | Any | None = None,
   min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
   like: Layout | None = None,
+  axis_sizes: dict[str, int] | None = None,
+  replica_axes: tuple[str, ...] = (),
 ) -> Layout:
   """Plans the layout of a pytree of arrays or ``jax.ShapeDtypeStruct`` s.
 
+  Mesh axes that a leaf's own sharding already names (tensor parallelism) are
+  kept; the data axes are added on another dimension, or jointly on one of
+  those when no other divides (see ``default_shard_dim``).
+
   Args:
     tree: the pytree, in logical shapes.
-    axis_name: the data-parallel mesh axis.
-    num_shards: that axis's size.
-    shard: if False, every leaf is replicated over the data axis (stage 1 and 2
-      parameters); other mesh axes in the leaves' shardings are still kept.
+    axis_name: the data-parallel mesh axis, or axes sharded over jointly.
+    num_shards: the number of data shards (the data axes' size).
+    shard: if False, every leaf is replicated over the data axes (stage 1 and
+      2 parameters); other mesh axes in the leaves' shardings are still kept.
     rule: per-leaf override: either a callable ``(path, leaf) -> PartitionSpec |
       None`` or a pytree (a prefix of ``tree``) of ``PartitionSpec`` or
       ``None``. A spec names the dimension sharded over ``axis_name`` (``P()``
-      keeps the leaf replicated); ``None`` falls back to the default rule.
+      keeps the leaf replicated) and may name other mesh axes, which it then
+      sets for the leaf; ``None`` falls back to the default rule.
     min_shard_size: leaves with fewer elements stay replicated by default.
-    like: a layout whose leaves' dimensions are reused for leaves of this tree
-      with the same shape whose path ends with theirs (so ``mu`` and ``nu`` of
-      Adam are sharded exactly like the parameters they mirror).
+    like: a layout whose leaves' specs are reused for leaves of this tree with
+      the same shape whose path ends with theirs (so ``mu`` and ``nu`` of Adam
+      are sharded exactly like the parameters they mirror).
+    axis_sizes: the sizes of the mesh's other axes, for the padding of a
+      dimension the data axes share with them; missing axes count as 1.
+    replica_axes: axes everything is replicated over (hybrid sharding): a leaf
+      placed on one of them is an error.
 
   Returns:
     The ``Layout``.
 
   Raises:
-    ValueError: for a leaf that is not an array, or an override that does not
-      fit its leaf.
+    ValueError: for a leaf that is not an array, an override that does not fit
+      its leaf, or a leaf placed on a replica axis or with the data axes on a
+      dimension the plan cannot keep.
   """
   paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   overrides = _overrides(rule, tree, treedef, paths_and_leaves)
   mirrors = _mirrors(like)
-  leaves = []
-  for (path, leaf), override in zip(paths_and_leaves, overrides, strict=True):
-    leaves.append(
-      _plan_leaf(
-        path,
-        leaf,
-        override,
-        axis_name=axis_name,
-        num_shards=num_shards,
-        shard=shard,
-        min_shard_size=min_shard_size,
-        mirrors=mirrors,
-      )
-    )
+  context = _Context(
+    data_axes=axes(axis_name),
+    replica_axes=tuple(replica_axes),
+    num_shards=num_shards,
+    axis_sizes=dict(axis_sizes or {}),
+    shard=shard,
+    min_shard_size=min_shard_size,
+  )
+  leaves = [
+    _plan_leaf(path, leaf, override, context, mirrors)
+    for (path, leaf), override in zip(paths_and_leaves, overrides, strict=True)
+  ]
   return Layout(treedef, tuple(leaves))
 
 
-def _plan_leaf(path, leaf, override, *, axis_name, num_shards, shard, min_shard_size, mirrors):
+def axes(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
+  """``axis_name`` as a tuple of mesh axis names.
+
+  Example:
+    >>> axes("data"), axes(("x", "y"))
+    (('data',), ('x', 'y'))
+  """
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def entry(names: tuple[str, ...]) -> Any:
+  """A ``PartitionSpec`` entry for ``names``: the name itself when there is one, else the tuple."""
+  return names[0] if len(names) == 1 else names
+
+
+class _Context(NamedTuple):
+  """What every leaf of one plan is planned with."""
+
+  data_axes: tuple[str, ...]
+  replica_axes: tuple[str, ...]
+  num_shards: int
+  axis_sizes: dict[str, int]
+  shard: bool
+  min_shard_size: int
+
+
+def _plan_leaf(path, leaf, override, context: _Context, mirrors) -> LeafLayout:
+  where = jax.tree_util.keystr(path)
   if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
     raise ValueError(
-      f"leaf at {jax.tree_util.keystr(path)} is {type(leaf).__name__}, not an "
-      "array; zerojax shards pytrees of arrays only. Convert it with "
-      "jnp.asarray, or keep it out of the params/optimizer state."
+      f"leaf at {where} is {type(leaf).__name__}, not an array; zerojax shards pytrees "
+      "of arrays only. Convert it with jnp.asarray, or keep it out of the "
+      "params/optimizer state."
     )
   shape = tuple(int(s) for s in leaf.shape)
   dtype = np.dtype(leaf.dtype)
-  base = _base_spec(leaf, len(shape), axis_name)
+  placed = _placement(leaf, len(shape))
+  _check_replica_axes(placed, context.replica_axes, where)
+  base = tuple(_without(e, context.data_axes) for e in placed)
+  placed_dim = _data_dim(placed, context.data_axes, where)
   dim = None
   if override is not None:
-    dim, base = _dim_from_spec(override, shape, axis_name, path)
-    if not shard:
+    dim, base = _dim_from_spec(override, shape, context.data_axes, path)
+    _check_replica_axes(base, context.replica_axes, where)
+    if not context.shard:
       dim = None
-  elif shard and _is_shardable(dtype) and math.prod(shape) >= min_shard_size:
-    free = [d for d in range(len(shape)) if base[d] is None]
-    dim = _mirrored_dim(mirrors, path, shape)
-    if dim is None or base[dim] is not None:
-      dim = default_shard_dim(shape, num_shards, free)
+  elif (mirrored := _mirrored(mirrors, path, shape)) is not None and not any(placed):
+    # Optimizer state, created from shapes, has no placement: it takes the
+    # placement of the parameter it mirrors.
+    dim = mirrored.dim if context.shard else None
+    base = tuple(_without(e, context.data_axes) for e in mirrored.spec)
+  else:
+    if context.shard and _is_shardable(dtype) and math.prod(shape) >= context.min_shard_size:
+      taken = {d: _size(e, context.axis_sizes) for d, e in enumerate(base) if e is not None}
+      dim = default_shard_dim(shape, context.num_shards, taken=taken)
+    if placed_dim is not None and placed_dim != dim:
+      raise ValueError(
+        f"leaf {where} is placed with the data axes {context.data_axes} on dimension "
+        f"{len(shape) + placed_dim} of shape {shape}, but the layout shards "
+        f"{'no dimension' if dim is None else f'dimension {len(shape) + dim}'} over them. "
+        "Place it without the data axes (zerojax adds them), or choose the dimension "
+        "with layout=..."
+      )
   spec = list(base)
   padded_size = 0
   if dim is not None:
-    size = shape[dim]
-    padded_size = -(-size // num_shards) * num_shards
-    spec[dim] = axis_name if base[dim] is None else (base[dim], axis_name)
+    multiple = context.num_shards * _size(base[dim], context.axis_sizes)
+    padded_size = -(-shape[dim] // multiple) * multiple
+    spec[dim] = _joined(base[dim], context.data_axes)
   return LeafLayout(shape, dtype, dim, padded_size, tuple(spec))
 
 
@@ -307,44 +378,83 @@ def _is_shardable(dtype: np.dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _base_spec(leaf, ndim: int, axis_name: str) -> tuple[Any, ...]:
-  """Entries of the leaf's current sharding for mesh axes other than the data axis."""
+def _placement(leaf, ndim: int) -> tuple[Any, ...]:
+  """The leaf's current ``PartitionSpec`` entries, one per dimension (all ``None`` if unplaced)."""
   sharding = getattr(leaf, "sharding", None)
   spec = getattr(sharding, "spec", None)
   if spec is None:
     return (None,) * ndim
-  entries = tuple(spec) + (None,) * (ndim - len(spec))
-  return tuple(_without(entry, axis_name) for entry in entries)
+  return tuple(spec) + (None,) * (ndim - len(spec))
 
 
-def _without(entry: Any, axis_name: str) -> Any:
-  if entry == axis_name:
-    return None
-  if isinstance(entry, tuple):
-    rest = tuple(e for e in entry if e != axis_name)
-    return rest[0] if len(rest) == 1 else (rest or None)
-  return entry
+def _names(entry: Any) -> tuple[str, ...]:
+  """The mesh axes a ``PartitionSpec`` entry names."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _dim_from_spec(spec: P, shape, axis_name: str, path) -> tuple[int | None, tuple[Any, ...]]:
-  """Reads an override ``PartitionSpec``: which dim the data axis is on, and the rest."""
+def _size(entry: Any, axis_sizes: dict[str, int]) -> int:
+  """How many ways the axes of a ``PartitionSpec`` entry split a dimension."""
+  return math.prod(axis_sizes.get(name, 1) for name in _names(entry))
+
+
+def _joined(base: Any, data_axes: tuple[str, ...]) -> Any:
+  """The entry of a dimension split by ``base``'s axes (major) and the data axes (minor)."""
+  return entry(_names(base) + data_axes)
+
+
+def _without(entry_: Any, data_axes: str | tuple[str, ...]) -> Any:
+  """A ``PartitionSpec`` entry with the data axes removed."""
+  rest = tuple(name for name in _names(entry_) if name not in axes(data_axes))
+  return entry(rest) if rest else None
+
+
+def _data_dim(entries: tuple[Any, ...], data_axes: tuple[str, ...], where: str) -> int | None:
+  """The dimension (negative) whose entry names the data axes, or None."""
+  dims = [d for d, e in enumerate(entries) if set(_names(e)) & set(data_axes)]
+  if len(dims) > 1:
+    raise ValueError(
+      f"{where} is placed with the data axes {data_axes} on {len(dims)} dimensions; zerojax "
+      "shards a leaf over them along one dimension. Place it without the data axes."
+    )
+  return dims[0] - len(entries) if dims else None
+
+
+def _check_replica_axes(entries: tuple[Any, ...], replica_axes: tuple[str, ...], where) -> None:
+  named = sorted({name for e in entries for name in _names(e)} & set(replica_axes))
+  if named:
+    raise ValueError(
+      f"leaf {where} is placed on the replica axes {named}; everything is replicated "
+      "over replica axes (only the batch is split over them). Place it without them."
+    )
+
+
+def _dim_from_spec(spec: P, shape, data_axes: tuple[str, ...], path) -> tuple[int | None, tuple]:
+  """Reads an override ``PartitionSpec``: which dim the data axes are on, and the rest."""
   where = jax.tree_util.keystr(path)
+  name = entry(data_axes)
   if not isinstance(spec, P):
     raise ValueError(
       f"layout override for {where} is {spec!r}; give a PartitionSpec such as "
-      f"P(None, {axis_name!r}) to shard dim 1, P() to replicate, or None for the default."
+      f"P(None, {name!r}) to shard dim 1, P() to replicate, or None for the default."
     )
   if len(spec) > len(shape):
     raise ValueError(
       f"layout override {spec} for {where} has {len(spec)} entries but the leaf has shape {shape}."
     )
   entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-  dims = [
-    d for d, e in enumerate(entries) if e == axis_name or (isinstance(e, tuple) and axis_name in e)
-  ]
+  for e in entries:
+    named = set(_names(e)) & set(data_axes)
+    if named and tuple(n for n in _names(e) if n in data_axes) != data_axes:
+      raise ValueError(
+        f"layout override {spec} for {where} names {sorted(named)} but not as {data_axes}: "
+        f"name all the data axes together, in that order ({name!r})."
+      )
+  dims = [d for d, e in enumerate(entries) if set(_names(e)) & set(data_axes)]
   if len(dims) > 1:
-    raise ValueError(f"layout override {spec} for {where} names {axis_name!r} more than once.")
-  base = tuple(_without(e, axis_name) for e in entries)
+    raise ValueError(f"layout override {spec} for {where} names {name!r} more than once.")
+  base = tuple(_without(e, data_axes) for e in entries)
   return (dims[0] - len(shape) if dims else None), base
 
 
@@ -369,23 +479,23 @@ def _overrides(rule, tree, treedef, paths_and_leaves) -> list[Any]:
   return jax.tree.leaves(full, is_leaf=is_spec) if treedef.num_leaves else []
 
 
-def _mirrors(like: Layout | None) -> list[tuple[tuple[Any, ...], tuple[int, ...], int]]:
-  """(path, shape, dim) of every sharded leaf of ``like``, longest paths first."""
+def _mirrors(like: Layout | None) -> list[tuple[tuple[Any, ...], tuple[int, ...], LeafLayout]]:
+  """(path, shape, leaf) of every leaf of ``like`` split over any axis, longest paths first."""
   if like is None:
     return []
   flat, _ = jax.tree_util.tree_flatten_with_path(
     like.tree(), is_leaf=lambda x: isinstance(x, LeafLayout)
   )
-  found = [(tuple(path), leaf.shape, leaf.dim) for path, leaf in flat if leaf.dim is not None]
+  found = [(tuple(path), leaf.shape, leaf) for path, leaf in flat if any(leaf.spec)]
   return sorted(found, key=lambda item: -len(item[0]))
 
 
-def _mirrored_dim(mirrors, path, shape) -> int | None:
-  """The dim of the mirrored leaf whose path ``path`` ends with, if any."""
+def _mirrored(mirrors, path, shape) -> LeafLayout | None:
+  """The sharded leaf of ``like`` whose path ``path`` ends with, of the same shape."""
   path = tuple(path)
-  for mirror_path, mirror_shape, dim in mirrors:
+  for mirror_path, mirror_shape, leaf in mirrors:
     if mirror_shape == shape and path[len(path) - len(mirror_path) :] == mirror_path:
-      return dim
+      return leaf
   return None
 
 
@@ -394,8 +504,8 @@ def _dtype_of(x: Any) -> np.dtype | str:
   return np.dtype(x.dtype) if hasattr(x, "dtype") else type(x).__name__
 
 
-def replicated(layout: Layout, axis_name: str) -> Layout:
-  """The same layout with every leaf replicated over the data axis (stage 1-2 params)."""
+def replicated(layout: Layout, axis_name: str | tuple[str, ...]) -> Layout:
+  """The same layout with every leaf replicated over the data axes (stage 1-2 params)."""
   return Layout(
     layout.treedef,
     tuple(

@@ -10,12 +10,19 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src import layout as layout_lib
 
-def resolve_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:
-  """Returns ``mesh``, or the one set with ``jax.set_mesh``, checked for ``axis_name``.
+
+def resolve_mesh(
+  mesh: Mesh | None,
+  axis_name: str | tuple[str, ...],
+  replica_axis: str | tuple[str, ...] | None = None,
+) -> Mesh:
+  """Returns ``mesh``, or the one set with ``jax.set_mesh``, checked for the axes.
 
   Raises:
-    ValueError: if there is no mesh, or it has no axis ``axis_name``.
+    ValueError: if there is no mesh, it lacks one of the axes, or an axis is
+      both a data and a replica axis.
   """
   if mesh is None:
     mesh = jax.sharding.get_mesh()
@@ -29,11 +36,26 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str) -> Mesh:
       f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}; "
       "build one with jax.make_mesh."
     )
-  if axis_name not in mesh.axis_names:
+  data_axes = layout_lib.axes(axis_name)
+  replica_axes = layout_lib.axes(replica_axis or ())
+  if not data_axes:
+    raise ValueError("axis_name names no mesh axis: pass axis_name='data' or a tuple of axes.")
+  for name, argument in [
+    *((n, "axis_name") for n in data_axes),
+    *((n, "replica_axis") for n in replica_axes),
+  ]:
+    if name not in mesh.axis_names:
+      raise ValueError(
+        f"mesh has no axis {name!r} (its axes are {mesh.axis_names}); pass "
+        f"{argument}=... naming axes of the mesh, or build the mesh with "
+        f"jax.make_mesh((n,), ({name!r},))."
+      )
+  shared = sorted(set(data_axes) & set(replica_axes))
+  if shared or len(set(data_axes)) < len(data_axes):
     raise ValueError(
-      f"mesh has no axis {axis_name!r} (its axes are {mesh.axis_names}); pass "
-      f"axis_name=... naming the data-parallel axis, or build the mesh with "
-      f"jax.make_mesh((n,), ({axis_name!r},))."
+      f"axis_name={axis_name!r} and replica_axis={replica_axis!r} must name different axes "
+      f"({shared or 'a repeated axis'}): an axis either shards everything (axis_name) or "
+      "replicates everything and splits only the batch (replica_axis)."
     )
   return mesh
 

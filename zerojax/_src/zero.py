@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -68,7 +69,11 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   Attributes:
     stage: 1, 2 or 3.
     mesh: the ``jax.sharding.Mesh``.
-    axis_name: the data-parallel mesh axis that everything is sharded over.
+    axis_name: the data-parallel mesh axis (or tuple of axes) that everything is
+      sharded over, as given.
+    data_axes: ``axis_name`` as a tuple.
+    replica_axes: the axes everything is replicated over and the batch split
+      over (hybrid sharding), as a tuple; empty without ``replica_axis``.
     inner: the wrapped transformation.
     precision: the ``zerojax.Precision`` policy.
 
@@ -82,22 +87,35 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
 
   stage: int
   mesh: Mesh
-  axis_name: str
+  axis_name: str | tuple[str, ...]
+  data_axes: tuple[str, ...]
+  replica_axes: tuple[str, ...]
   inner: optax.GradientTransformationExtraArgs
   precision: precision_lib.Precision
 
-  def __new__(cls, inner, *, stage, mesh, axis_name, layout, min_shard_size, precision):
-    planner = Planner(inner, stage, mesh, axis_name, layout, min_shard_size, precision)
+  def __new__(
+    cls, inner, *, stage, mesh, axis_name, replica_axis, layout, min_shard_size, precision
+  ):
+    data_axes, replica_axes = layout_lib.axes(axis_name), layout_lib.axes(replica_axis or ())
+    planner = Planner(
+      inner, stage, mesh, data_axes, replica_axes, layout, min_shard_size, precision
+    )
     self = super().__new__(cls, planner.init, planner.update)
     self.stage, self.mesh, self.axis_name, self.inner = stage, mesh, axis_name, planner.inner
+    self.data_axes, self.replica_axes = data_axes, replica_axes
     self.precision = precision
     self._planner = planner
     return self
 
   @property
   def num_shards(self) -> int:
-    """The size of the data axis."""
-    return self.mesh.shape[self.axis_name]
+    """How many shards the data axes split everything into (the product of their sizes)."""
+    return math.prod(self.mesh.shape[name] for name in self.data_axes)
+
+  @property
+  def num_replicas(self) -> int:
+    """How many copies the replica axes hold (1 without ``replica_axis``)."""
+    return math.prod(self.mesh.shape[name] for name in self.replica_axes)
 
   def shard(self, params: optax.Params) -> optax.Params:
     """Places full parameters as this stage stores them.
@@ -225,11 +243,12 @@ def _to_logical(leaf: layout_lib.LeafLayout, x: Any) -> Any:
 class Planner:
   """Holds the configuration and the layouts of the parameter trees it has seen."""
 
-  def __init__(self, inner, stage, mesh, axis_name, layout, min_shard_size, policy):
+  def __init__(self, inner, stage, mesh, data_axes, replica_axes, layout, min_shard_size, policy):
     self.inner = optax.with_extra_args_support(inner)
     self.stage = stage
     self.mesh = mesh
-    self.axis_name = axis_name
+    self.data_axes = data_axes
+    self.replica_axes = replica_axes
     self.rule = layout
     self.min_shard_size = min_shard_size
     self.policy = policy
@@ -252,18 +271,19 @@ class Planner:
 
   def plan(self, params: Any) -> Plans:
     """Plans every layout that the parameter tree ``params`` implies."""
-    num_shards = self.mesh.shape[self.axis_name]
     plan = functools.partial(
       layout_lib.plan,
-      axis_name=self.axis_name,
-      num_shards=num_shards,
+      axis_name=self.data_axes,
+      num_shards=math.prod(self.mesh.shape[name] for name in self.data_axes),
       min_shard_size=self.min_shard_size,
+      axis_sizes=dict(self.mesh.shape),
+      replica_axes=self.replica_axes,
     )
     sharded = plan(params, rule=self.rule).with_dtypes(self.policy.master_dtype)
     if self.stage == 3:
       stored, master = sharded, None
     else:
-      stored = layout_lib.replicated(sharded, self.axis_name).with_dtypes(self.policy.compute_dtype)
+      stored = layout_lib.replicated(sharded, self.data_axes).with_dtypes(self.policy.compute_dtype)
       master = sharded if stored.key(False) != sharded.key(False) else None
     logical = sharded.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
     state = plan(jax.eval_shape(self.inner.init, logical), like=sharded)
@@ -274,7 +294,7 @@ class Planner:
       return self._gather(params, plans=self.plans(params))
 
   def _gather_impl(self, params, plans):
-    specs = plans.params.map(lambda leaf: leaf.full_spec(self.axis_name))
+    specs = plans.params.map(lambda leaf: leaf.full_spec(self.data_axes))
     return mesh_lib.global_view(self.mesh, plans.to_logical, specs)(params)
 
   def init(self, params: optax.Params) -> ZeroState:
@@ -445,7 +465,7 @@ def _check_shapes(tree: Any, layout: layout_lib.Layout, what: str) -> None:
 
 
 def _zero(
-  stage: int, inner, mesh, axis_name, layout, min_shard_size, precision
+  stage: int, inner, mesh, axis_name, replica_axis, layout, min_shard_size, precision
 ) -> ZeroTransformation:
   if not hasattr(inner, "init") or not hasattr(inner, "update"):
     raise ValueError(
@@ -455,8 +475,9 @@ def _zero(
   return ZeroTransformation(
     inner,
     stage=stage,
-    mesh=mesh_lib.resolve_mesh(mesh, axis_name),
+    mesh=mesh_lib.resolve_mesh(mesh, axis_name, replica_axis),
     axis_name=axis_name,
+    replica_axis=replica_axis,
     layout=layout,
     min_shard_size=min_shard_size,
     precision=precision_lib.resolve(precision),
@@ -469,13 +490,23 @@ _ARGS_DOC = """
       anything that needs a norm or a whole matrix (``clip_by_global_norm``,
       LAMB, Adafactor, Muon) computes exactly what it computes unwrapped.
     mesh: the device mesh; by default the one set with ``jax.set_mesh``.
-    axis_name: the data-parallel axis of ``mesh`` to shard over. Other axes
-      are left as the arrays' own shardings have them.
+    axis_name: the data-parallel axis of ``mesh`` to shard over, or a tuple of
+      axes to shard over jointly (all the fast axes of a TPU slice, say).
+      Gathers and reduce-scatters never leave a group of these axes. Other
+      axes that the parameters are already placed on (tensor parallelism,
+      with ``jax.device_put`` and a ``NamedSharding``) are kept: the data axes
+      are added on another dimension, or jointly on the same one when no
+      other divides.
+    replica_axis: an axis (or tuple of axes) of ``mesh`` over which
+      everything is replicated and the batch split (hybrid sharding, HSDP):
+      gradients are reduce-scattered inside each data group, then the
+      shard-sized result is all-reduced across replicas. ``None`` by default.
     layout: per-leaf override of which dimension is sharded: a pytree (a prefix
       of the params) of ``PartitionSpec`` or ``None``, or a function
       ``(path, jax.ShapeDtypeStruct) -> PartitionSpec | None``. A spec places
-      ``axis_name`` on the dimension to shard (``P()`` replicates the leaf);
-      ``None`` keeps the default rule (see ``zerojax.default_shard_dim``).
+      ``axis_name`` on the dimension to shard (``P()`` replicates the leaf)
+      and may name other mesh axes to place the leaf on; ``None`` keeps the
+      default rule (see ``zerojax.default_shard_dim``).
     min_shard_size: leaves with fewer elements stay replicated by default.
     precision: a ``zerojax.Precision`` policy (master, compute and reduce
       dtypes; loss scaling; skipping non-finite steps), or one of ``"fp32"``,
@@ -493,12 +524,13 @@ def _stage(stage: int, summary: str):
     inner: optax.GradientTransformation,
     *,
     mesh: Mesh | None = None,
-    axis_name: str = "data",
+    axis_name: str | tuple[str, ...] = "data",
+    replica_axis: str | tuple[str, ...] | None = None,
     layout: Any = None,
     min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
     precision: precision_lib.Precision | str | None = None,
   ) -> ZeroTransformation:
-    return _zero(stage, inner, mesh, axis_name, layout, min_shard_size, precision)
+    return _zero(stage, inner, mesh, axis_name, replica_axis, layout, min_shard_size, precision)
 
   factory.__name__ = factory.__qualname__ = f"zero{stage}"
   factory.__doc__ = summary + _ARGS_DOC
