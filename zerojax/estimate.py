@@ -5,6 +5,7 @@ Examples:
 
     python -m zerojax.estimate --params 7.5e9 --devices 1 4 16 64 256 1024
     python -m zerojax.estimate --params 1.3e9 --devices 8 --optimizer adafactor --dtype float32
+    python -m zerojax.estimate --params 7.5e9 --devices 8 --replicas 4 --tensor-parallel 2
 """
 
 from __future__ import annotations
@@ -41,8 +42,19 @@ def state_bytes_per_param(optimizer_name: str, dtype: str, shape=(4096, 4096)) -
   return per_device.optimizer_state / (shape[0] * shape[1])
 
 
-def table(num_params: float, devices: list[int], param_bytes, grad_bytes, state_bytes) -> str:
-  """The table ``main`` prints: GB per device for each stage and device count.
+def table(
+  num_params: float,
+  devices: list[int],
+  param_bytes,
+  grad_bytes,
+  state_bytes,
+  replicas: int = 1,
+  tensor_parallel: int = 1,
+) -> str:
+  """The table ``main`` prints: GB per device for each stage and data-axis size.
+
+  With ``replicas`` or ``tensor_parallel`` above 1, each row also gives the
+  job's total device count (replicas x data x tensor parallel).
 
   Example:
     The ZeRO paper's Table I, 7.5B parameters with mixed-precision Adam, on 64 devices:
@@ -53,7 +65,9 @@ def table(num_params: float, devices: list[int], param_bytes, grad_bytes, state_
     ----------------------------------------------------
           64     120.00      31.41      16.64       1.88
   """
-  header = f"{'devices':>8} " + " ".join(f"{_STAGE_NAMES[s]:>10}" for s in STAGES)
+  multi_axis = replicas > 1 or tensor_parallel > 1
+  first = f"{'data':>8} {'devices':>8} " if multi_axis else f"{'devices':>8} "
+  header = first + " ".join(f"{_STAGE_NAMES[s]:>10}" for s in STAGES)
   rows = [header, "-" * len(header)]
   for n in devices:
     cells = (
@@ -61,6 +75,8 @@ def table(num_params: float, devices: list[int], param_bytes, grad_bytes, state_
         num_params,
         num_devices=n,
         stage=stage,
+        replicas=replicas,
+        tensor_parallel=tensor_parallel,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         state_bytes=state_bytes,
@@ -68,7 +84,8 @@ def table(num_params: float, devices: list[int], param_bytes, grad_bytes, state_
       / 1e9
       for stage in STAGES
     )
-    rows.append(f"{n:>8} " + " ".join(f"{gb:>10.2f}" for gb in cells))
+    lead = f"{n:>8} {n * replicas * tensor_parallel:>8} " if multi_axis else f"{n:>8} "
+    rows.append(lead + " ".join(f"{gb:>10.2f}" for gb in cells))
   return "\n".join(rows)
 
 
@@ -88,7 +105,19 @@ def main(argv: list[str] | None = None) -> str:
   parser.add_argument(
     "--params", type=float, required=True, help="number of parameters, e.g. 7.5e9"
   )
-  parser.add_argument("--devices", type=int, nargs="+", default=[1, 8, 64, 512])
+  parser.add_argument(
+    "--devices",
+    type=int,
+    nargs="+",
+    default=[1, 8, 64, 512],
+    help="sizes of the data axes (N, what ZeRO shards over)",
+  )
+  parser.add_argument(
+    "--replicas", type=int, default=1, help="size of the replica axes (hybrid sharding)"
+  )
+  parser.add_argument(
+    "--tensor-parallel", type=int, default=1, help="size of the tensor-parallel axes"
+  )
   parser.add_argument("--param-bytes", type=float, default=2, help="bytes per parameter (2: bf16)")
   parser.add_argument("--grad-bytes", type=float, default=2, help="bytes per gradient element")
   parser.add_argument(
@@ -109,11 +138,28 @@ def main(argv: list[str] | None = None) -> str:
   if args.optimizer:
     state_bytes = state_bytes_per_param(args.optimizer, args.dtype)
     source = f"optax.{args.optimizer} on {args.dtype}"
+  for name in ("replicas", "tensor_parallel"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name.replace('_', '-')} must be at least 1")
+  mesh = ""
+  if args.replicas > 1 or args.tensor_parallel > 1:
+    mesh = (
+      f"{args.replicas} replica(s) x data x {args.tensor_parallel}-way tensor parallelism "
+      "(every parameter counted as split over it).\n"
+    )
   text = (
     f"Ψ = {args.params:.3g} parameters; {args.param_bytes:g} B/param, "
     f"{args.grad_bytes:g} B/grad, K = {state_bytes:.3g} B/param of optimizer state "
-    f"({source}).\nGB per device:\n"
-    + table(args.params, args.devices, args.param_bytes, args.grad_bytes, state_bytes)
+    f"({source}).\n{mesh}GB per device:\n"
+    + table(
+      args.params,
+      args.devices,
+      args.param_bytes,
+      args.grad_bytes,
+      state_bytes,
+      args.replicas,
+      args.tensor_parallel,
+    )
   )
   print(text)
   return text

@@ -155,7 +155,11 @@ def _from_env(value: Any, name: str, kind: type) -> Any:
 
 
 def global_batch(
-  local_batch: Any, mesh: Mesh, *, axis_name: str = "data", check_processes: bool = True
+  local_batch: Any,
+  mesh: Mesh,
+  *,
+  axis_name: str | tuple[str, ...] = "data",
+  check_processes: bool = True,
 ) -> Any:
   """Turns each process's share of a batch into global arrays split over ``axis_name``.
 
@@ -164,14 +168,16 @@ def global_batch(
   order, for a mesh from ``jax.make_mesh``). Pass the result to
   ``zerojax.value_and_grad`` or a drop-in step as the batch. With one process
   it places the batch like ``jax.device_put(batch, NamedSharding(mesh,
-  P(axis_name)))``.
+  P(axis_name)))``. Under hybrid sharding the batch is split over the replica
+  and the data axes: pass ``axis_name=tx.batch_axes``.
 
   Args:
     local_batch: a pytree of host arrays (numpy, or anything ``np.asarray``
       takes), each with a leading batch dimension that divides by the number
       of this process's devices along ``axis_name``.
     mesh: the mesh, spanning every process.
-    axis_name: the data-parallel mesh axis.
+    axis_name: the mesh axis the batch is split over, or a tuple of axes
+      (major first).
     check_processes: first check (one tiny all-gather between processes, which
       waits for the devices) that every process passes the same structure,
       shapes and dtypes, and raise otherwise, instead of building arrays that
@@ -202,7 +208,7 @@ def global_batch(
       raise ValueError(
         f"local batch leaf {jax.tree_util.keystr(path) or '(root)'} has shape {shape}: its "
         f"leading dimension must divide by the {shards} devices this process has along mesh "
-        f"axis {axis_name!r}. Give each process a multiple of {shards} rows (the global batch "
+        f"axes {axis_name!r}. Give each process a multiple of {shards} rows (the global batch "
         "is every process's rows together)."
       )
   sharding = NamedSharding(mesh, P(axis_name))
@@ -211,13 +217,15 @@ def global_batch(
   )
 
 
-def _local_shard_count(mesh: Mesh, axis_name: str) -> int:
-  """How many positions along ``axis_name`` this process's devices occupy."""
+def _local_shard_count(mesh: Mesh, axis_name: str | tuple[str, ...]) -> int:
+  """How many positions along the ``axis_name`` axes this process's devices occupy."""
   mesh_lib.resolve_mesh(mesh, axis_name)
-  axis = mesh.axis_names.index(axis_name)
+  axes = [mesh.axis_names.index(name) for name in layout_lib.axes(axis_name)]
   here = jax.process_index()
   positions = {
-    index[axis] for index, device in np.ndenumerate(mesh.devices) if device.process_index == here
+    tuple(index[a] for a in axes)
+    for index, device in np.ndenumerate(mesh.devices)
+    if device.process_index == here
   }
   if not positions:
     raise ValueError(

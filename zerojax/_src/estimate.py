@@ -41,11 +41,16 @@ class MemoryEstimate(NamedTuple):
 _PARAMS_SPLIT_FROM, _GRADS_SPLIT_FROM, _STATE_SPLIT_FROM = 3, 2, 1
 
 
-def _check(num_devices: int, stage: int) -> None:
+def _check(num_devices: int, stage: int, replicas: int = 1, tensor_parallel: int = 1) -> None:
   if stage not in STAGES:
     raise ValueError(f"stage must be one of {STAGES} (0 is plain data parallelism), got {stage}.")
-  if num_devices < 1:
-    raise ValueError(f"num_devices must be at least 1, got {num_devices}.")
+  for name, value in (
+    ("num_devices", num_devices),
+    ("replicas", replicas),
+    ("tensor_parallel", tensor_parallel),
+  ):
+    if value < 1:
+      raise ValueError(f"{name} must be at least 1, got {value}.")
 
 
 def _share(stage: int, split_from: int, whole: float, split: float, num_devices: int) -> float:
@@ -62,6 +67,8 @@ def estimate_memory(
   *,
   num_devices: int,
   stage: int,
+  replicas: int = 1,
+  tensor_parallel: int = 1,
   param_bytes: float = 2,
   grad_bytes: float = 2,
   state_bytes: float = 12,
@@ -72,10 +79,19 @@ def estimate_memory(
   gradients, and K = 12 bytes of state per parameter (fp32 master weights,
   momentum and variance). Stage 0 is plain data parallelism.
 
+  On a multi-axis mesh, ``num_devices`` is the size of the data axes only:
+  ``replicas`` (hybrid sharding) multiply the devices but not the bytes per
+  device, and ``tensor_parallel`` divides every model state by its degree, as
+  if every parameter were split over the tensor-parallel axis (layers that
+  stay replicated over it, such as norms, cost more). The job then has
+  ``replicas * num_devices * tensor_parallel`` devices.
+
   Args:
     num_params: Ψ, the number of parameters.
-    num_devices: N, the size of the data-parallel axis.
+    num_devices: N, the size of the data-parallel axes.
     stage: 0, 1, 2 or 3.
+    replicas: the size of the replica axes (hybrid sharding).
+    tensor_parallel: the size of the tensor-parallel axes.
     param_bytes: bytes per parameter as stored for compute.
     grad_bytes: bytes per gradient element.
     state_bytes: K, optimizer-state bytes per parameter.
@@ -88,8 +104,15 @@ def estimate_memory(
     >>> [round(zerojax.estimate_memory(7.5e9, num_devices=64, stage=s).total / 1e9, 2)
     ...  for s in (1, 2, 3)]
     [31.41, 16.64, 1.88]
+
+  The same model on 2 replicas of 8-way data x 4-way tensor parallelism (64 devices):
+
+    >>> round(zerojax.estimate_memory(
+    ...   7.5e9, num_devices=8, replicas=2, tensor_parallel=4, stage=3).total / 1e9, 2)
+    3.75
   """
-  _check(num_devices, stage)
+  _check(num_devices, stage, replicas, tensor_parallel)
+  num_params = num_params / tensor_parallel
   share = lambda split_from, size: _share(stage, split_from, size, size, num_devices)
   return _estimate(
     share(_PARAMS_SPLIT_FROM, num_params * param_bytes),

@@ -95,9 +95,9 @@ def value_and_grad(
   if not isinstance(microbatches, int) or microbatches < 1:
     raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
   data = layout_lib.entry(tx.data_axes)
-  # The axes the batch is split over, replicas first (major), and that
-  # shard_map manages; the others (tensor parallelism) stay the compiler's.
-  manual = tx.replica_axes + tx.data_axes
+  # The axes the batch is split over, which shard_map manages; the others
+  # (tensor parallelism) stay the compiler's.
+  manual = tx.batch_axes
   # XLA:CPU can start a collective while a loop's collectives are still under
   # way, and devices then meet in the wrong one; see zerojax/_src/ordering.py.
   linked = ordering.links_needed(tx.mesh)
@@ -213,13 +213,12 @@ def _per_device(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 def _differentiable(leaf, x, tx):
   """What the gradient is taken with respect to, per device."""
-  manual = tx.replica_axes + tx.data_axes
   if leaf.dim is None or tx.stage == 1:
-    return _per_device(x, manual)
+    return _per_device(x, tx.batch_axes)
   if tx.stage == 2:
     shape = list(leaf.stored_shape)
     shape[leaf.dim] //= tx.num_shards
-    return _per_device(np.zeros(shape, leaf.dtype), manual)
+    return _per_device(np.zeros(shape, leaf.dtype), tx.batch_axes)
   # Stage 3: the shard already varies over the data axes; over replicas it is
   # made a device's own too, so its gradient is summed across them once, at
   # the end, rather than by JAX at every use.
@@ -264,7 +263,7 @@ def _reduce(leaf, grad, tx, divisor, scale):
   shard-sized result is summed across replicas.
   """
   if leaf.dim is None:
-    grad = jax.lax.psum(grad, tx.replica_axes + tx.data_axes)
+    grad = jax.lax.psum(grad, tx.batch_axes)
   else:
     if tx.stage == 1:
       grad = collectives.scatter(grad, leaf.dim, layout_lib.entry(tx.data_axes), leaf.padded_size)
@@ -280,7 +279,7 @@ def _check_batch(batch, tx, microbatches) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(argument)[0]:
       shape = np.shape(x)
       if not shape or shape[0] % (n * microbatches):
-        axes = tx.replica_axes + tx.data_axes
+        axes = tx.batch_axes
         split = (
           f"{n} devices of mesh axes {axes}"
           if len(axes) > 1

@@ -113,6 +113,14 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     return math.prod(self.mesh.shape[name] for name in self.data_axes)
 
   @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """The axes a batch is split over: replica axes first, then data axes.
+
+    Place a batch with ``NamedSharding(mesh, P(tx.batch_axes))``.
+    """
+    return self.replica_axes + self.data_axes
+
+  @property
   def num_replicas(self) -> int:
     """How many copies the replica axes hold (1 without ``replica_axis``)."""
     return math.prod(self.mesh.shape[name] for name in self.replica_axes)
