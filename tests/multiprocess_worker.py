@@ -5,7 +5,9 @@
 ``global_batch``, then gather the parameters three ways and profile the step;
 train each stage on the drop-in path (plain ``jax.value_and_grad``) too;
 save the stage-3 state to ``OUT/checkpoint`` and restore the one in
-``RESTORE/checkpoint``, if given; provoke ``global_batch``'s errors. Every process writes
+``RESTORE/checkpoint``, if given; train each stage again under hybrid sharding,
+on a (replica, data) mesh whose replicas are the processes (one "node" each);
+provoke ``global_batch``'s errors. Every process writes
 what it saw to ``OUT/p<process id>.npz`` and ``.json``. The test runs the same
 function in its own single process for the comparison. ``die``: train until
 process 1 kills itself with SIGKILL.
@@ -105,9 +107,29 @@ def train(out: Path, restore: Path | None = None) -> None:
   arrays.update(save(mesh, {"params": params, "opt_state": state}, out))
   if restore is not None:
     arrays.update(restore_from(mesh, restore))
+  arrays.update(train_hybrid(report))
   report["errors"] = batch_errors(mesh)
   np.savez(out / f"p{jax.process_index()}.npz", **arrays)
   (out / f"p{jax.process_index()}.json").write_text(json.dumps(report))
+
+
+def train_hybrid(report) -> dict:
+  """Each stage on a (2, N / 2) (replica, data) mesh: process p's devices are replica p."""
+  mesh = jax.make_mesh((2, jax.device_count() // 2), ("replica", "data"))
+  if jax.process_count() == 2:
+    owners = [{d.process_index for d in row} for row in mesh.devices]
+    assert owners == [{0}, {1}], f"each replica should be one process, got {owners}"
+  batch = zerojax.global_batch(local_rows(models.make_batch()), mesh, axis_name=("replica", "data"))
+  arrays = {}
+  for stage in STAGES:
+    tx = STAGES[stage](optax.adam(1e-2), mesh=mesh, replica_axis="replica")
+    params = tx.shard(models.make_params())
+    state, step = tx.init(params), models.explicit_step(tx)
+    for _ in range(STEPS):
+      params, state, loss = step(params, state, *batch)
+      report["stages"][stage].setdefault("hybrid_losses", []).append(float(loss))
+    arrays.update(flat(f"hybrid/{stage}/to_all", zerojax.gather_to_host(tx, params, process=None)))
+  return arrays
 
 
 def batch_errors(mesh):

@@ -21,6 +21,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+from tests.test_checkpoint import assert_placed, assert_same, logical_values
 
 LAYERS, WIDTH, HIDDEN, BATCH = 2, 32, 128, 16
 STEPS = 2
@@ -299,3 +300,33 @@ def test_estimator_takes_replicas_and_tensor_parallelism():
 
   text = main(["--params", "7.5e9", "--devices", "8", "--replicas", "2", "--tensor-parallel", "4"])
   assert "       8       64" in text
+
+
+def test_checkpoints_move_between_mesh_shapes(tmp_path):
+  # (2, 4) hybrid -> (8,) -> (4, 2) tensor parallel, bit for bit in the
+  # logical values; the last hop also changes the stage.
+  _, params, opt_state, tx = trained("hsdp", 3, "explicit")
+  state = {"params": params, "opt_state": opt_state, "step": jnp.int32(STEPS)}
+  spec = state_spec(tx)
+  expected = logical_values(state, spec)
+  flat = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  for hop, (mesh, stage) in enumerate([(flat, 3), (make_mesh("tensor"), 2)]):
+    with zerojax.CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
+      checkpoints.save(STEPS, state)
+    spec = state_spec(make_tx(stage, mesh))
+    with zerojax.CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
+      state = checkpoints.restore()
+    assert_placed(state, spec)
+    assert_same(logical_values(state, spec), expected)
+  # Restored onto the tensor-parallel mesh, the weights are on `model` again.
+  assert state["params"]["layers"]["w1"].sharding.spec == P(None, None, "model")
+
+
+def state_spec(tx):
+  """The training state's spec on ``tx``'s mesh, parameters placed as that mesh places them."""
+  structs = jax.tree.map(
+    lambda p, x: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=x.sharding),
+    make_params(),
+    placed_params(tx.mesh),
+  )
+  return zerojax.train_state_spec(tx, structs, step=jnp.int32(0))

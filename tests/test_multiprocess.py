@@ -83,6 +83,22 @@ def test_two_processes_train_like_one(runs, stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_two_processes_train_like_one_under_hybrid_sharding(runs, stage):
+  # A replica per process, the data axis inside each: equal to one process of
+  # 8 devices on the same mesh, and to the flat 8-device mesh within rounding.
+  (one_arrays, one), (two_arrays, two) = runs[1][0], runs[2][0]
+  np.testing.assert_allclose(
+    two["stages"][str(stage)]["hybrid_losses"],
+    one["stages"][str(stage)]["hybrid_losses"],
+    rtol=0,
+    atol=1e-6,
+  )
+  assert_trees_close(two_arrays, one_arrays, f"hybrid/{stage}/to_all", atol=1e-6)
+  flat = {k.replace(f"{stage}/to_zero", f"hybrid/{stage}/to_all"): v for k, v in one_arrays.items()}
+  assert_trees_close(one_arrays, flat, f"hybrid/{stage}/to_all", atol=2e-5)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_two_processes_train_like_one_on_the_drop_in_path(runs, stage):
   (one_arrays, one), (two_arrays, two) = runs[1][0], runs[2][0]
   np.testing.assert_allclose(
