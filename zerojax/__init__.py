@@ -6,7 +6,7 @@ from zerojax._src.distributed import gather_to_host, global_batch, initialize
 from zerojax._src.estimate import MemoryEstimate, estimate_memory, estimate_tree_memory
 from zerojax._src.export import export_safetensors, load_params
 from zerojax._src.grad import value_and_grad
-from zerojax._src.hlo import Collective, count_collectives
+from zerojax._src.hlo import Collective, count_collectives, count_collectives_by_axes
 from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
 from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
 from zerojax._src.profile import StepProfile, profile
@@ -30,6 +30,7 @@ __all__ = (
   "ZeroState",
   "ZeroTransformation",
   "count_collectives",
+  "count_collectives_by_axes",
   "default_shard_dim",
   "estimate_memory",
   "estimate_tree_memory",

@@ -1,13 +1,16 @@
-"""Communication read from HLO text: each collective's count and bytes per step."""
+"""Communication read from HLO text: each collective's count, bytes per step and mesh axes."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
 import re
+from collections.abc import Callable, Hashable
 
 import jax
+import numpy as np
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -101,19 +104,129 @@ def count_collectives(hlo: str | jax.stages.Compiled) -> dict[str, Collective]:
     >>> zerojax.count_collectives(hlo)["all-gather"]
     Collective(count=3, bytes=768)
   """
-  text = hlo if isinstance(hlo, str) else hlo.as_text()
+  totals = _tally(_text(hlo), lambda instruction: None)
+  return {kind: totals.get((None, kind), Collective()) for kind in KINDS}
+
+
+def count_collectives_by_axes(
+  hlo: str | jax.stages.Compiled, mesh: jax.sharding.Mesh
+) -> dict[tuple[str, ...], dict[str, Collective]]:
+  """Counts the collectives of an HLO module by the mesh axes each one spans.
+
+  A collective spans a mesh axis if one of its device groups holds devices
+  at different coordinates of that axis (for a collective-permute, if a
+  source and its target differ there). Groups of single devices span no
+  axis, ``()``. Counts and bytes are those of ``count_collectives``, split
+  by the tuple of axes spanned: summed over the tuples they give
+  ``count_collectives(hlo)`` kind by kind. So under hybrid sharding over
+  ``("replica", "data")``, ``("replica",)`` holds what crosses replicas and
+  ``("data",)`` what stays inside a data group.
+
+  Device groups are read in each format XLA prints: explicit lists
+  (``replica_groups={{0,1},{2,3}}``, ``{}`` for all devices), iota lists
+  (``replica_groups=[2,4]<=[4,2]T(1,0)``), mesh axes
+  (``replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``, with
+  ``device_ids=(...)`` and sub-axes such as ``'axis_0':(2)2``), and
+  ``source_target_pairs={{0,1},...}``. The numbers in them are positions in
+  the program's list of devices: for a ``jax.stages.Compiled`` that list is
+  read from the executable and matched to ``mesh`` by device id; for HLO
+  text it is taken to be ``mesh.devices.flat``, the order ``jax.jit`` gives
+  a program over ``mesh``.
+
+  Args:
+    hlo: the text of an HLO module or a ``jax.stages.Compiled``, as for
+      ``count_collectives``.
+    mesh: the mesh whose axes to report, normally the one the program was
+      compiled over.
+
+  Returns:
+    For each tuple of axis names (in ``mesh.axis_names`` order) that some
+    collective spans, a ``Collective`` per kind in ``KINDS``.
+
+  Raises:
+    ValueError: for what ``count_collectives`` rejects; if ``mesh`` is not a
+      ``jax.sharding.Mesh``; if the program runs on a different number of
+      devices than ``mesh`` has, or on devices outside it; or if a
+      collective's device groups are in a format this function cannot read.
+
+  Examples:
+    Under hybrid sharding, a sum inside each data group and a gather across
+    replicas:
+
+    >>> import jax, jax.numpy as jnp, zerojax
+    >>> mesh = jax.make_mesh((2, 4), ("replica", "data"))
+    >>> def f(x):  # this device's float32[1, 2] block
+    ...   x = jax.lax.psum(x, "data")
+    ...   return jax.lax.all_gather(x, "replica", tiled=True)
+    >>> spec = jax.P("replica", "data")
+    >>> f = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=jax.P("replica"))
+    >>> x = jax.device_put(jnp.ones((2, 8)), jax.NamedSharding(mesh, spec))
+    >>> compiled = jax.jit(f).lower(x).compile()
+    >>> by_axes = zerojax.count_collectives_by_axes(compiled, mesh)
+    >>> list(by_axes)
+    [('replica',), ('data',)]
+    >>> by_axes[("data",)]["all-reduce"], by_axes[("replica",)]["all-gather"]
+    (Collective(count=1, bytes=8), Collective(count=1, bytes=16))
+
+    The same from HLO text, with groups as an iota list: ``[2,4]<=[8]`` is
+    ``{{0,1,2,3},{4,5,6,7}}``, each group a row of the mesh:
+
+    >>> hlo = '''
+    ... ENTRY %main (a: f32[8]) -> f32[8] {
+    ...   %a = f32[8]{0} parameter(0)
+    ...   ROOT %r = f32[8]{0} all-reduce(%a), replica_groups=[2,4]<=[8], to_apply=%add
+    ... }
+    ... '''
+    >>> zerojax.count_collectives_by_axes(hlo, mesh)[("data",)]["all-reduce"]
+    Collective(count=1, bytes=32)
+  """
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(
+      f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}; pass the "
+      "mesh the program was compiled over."
+    )
+  text = _text(hlo)
+  coordinates = _device_coordinates(hlo, text, mesh)
+
+  def spanned_axes(instruction: _Instruction) -> tuple[int, ...]:
+    spanned: set[int] = set()
+    for group in _device_groups(instruction, len(coordinates)):
+      group_coordinates = coordinates[list(group)]
+      spanned.update(np.flatnonzero((group_coordinates != group_coordinates[0]).any(axis=0)))
+    return tuple(sorted(int(axis) for axis in spanned))
+
+  totals = _tally(text, spanned_axes)
+  return {
+    tuple(mesh.axis_names[axis] for axis in axes): {
+      kind: totals.get((axes, kind), Collective()) for kind in KINDS
+    }
+    for axes in sorted({axes for axes, _ in totals})
+  }
+
+
+def _text(hlo: str | jax.stages.Compiled) -> str:
+  return hlo if isinstance(hlo, str) else hlo.as_text()
+
+
+def _tally(text: str, label: Callable[[_Instruction], Hashable]) -> dict[tuple, Collective]:
+  """Totals of the module's collectives per ``(label(instruction), kind)``, loops unrolled.
+
+  The walk that both public counters share: see ``count_collectives`` for how
+  loops, conditionals, asynchronous pairs and bytes count.
+  """
   computations, entry = _parse_module(text)
   shapes = {i.name: i.shape for body in computations.values() for i in body}
 
   @functools.cache
-  def per_execution(name: str) -> dict[str, Collective]:
+  def per_execution(name: str) -> dict[tuple, Collective]:
     """The collectives one execution of computation ``name`` runs, callees included."""
-    totals = {kind: Collective() for kind in KINDS}
+    totals: dict[tuple, Collective] = collections.defaultdict(Collective)
     for instruction in computations.get(name, ()):
       kind = instruction.opcode.removesuffix("-start")
-      if kind in totals:
-        totals[kind].count += 1
-        totals[kind].bytes += _moved_bytes(instruction, shapes)
+      if kind in KINDS:
+        total = totals[label(instruction), kind]
+        total.count += 1
+        total.bytes += _moved_bytes(instruction, shapes)
       if instruction.opcode.endswith(("-done", "-update")):
         continue  # an async op's computation counts once, at its start
       for role, callees in _CALLEES.findall(instruction.attributes):
@@ -122,10 +235,10 @@ def count_collectives(hlo: str | jax.stages.Compiled) -> dict[str, Collective]:
           if not any(c.count for c in inner.values()):
             continue
           times = _trip_count(instruction, computations) if role == "body" else 1
-          for kind, collective in inner.items():
-            totals[kind].count += times * collective.count
-            totals[kind].bytes += times * collective.bytes
-    return totals
+          for key, collective in inner.items():
+            totals[key].count += times * collective.count
+            totals[key].bytes += times * collective.bytes
+    return dict(totals)
 
   return per_execution(entry)
 
@@ -264,3 +377,157 @@ def _moved_bytes(instruction: _Instruction, shapes: dict[str, str]) -> int:
   if instruction.opcode == "all-gather-start":
     return _shape_bytes(instruction.shape) - operand_bytes  # the shape is (operands, results)
   return operand_bytes
+
+
+def _device_coordinates(
+  hlo: str | jax.stages.Compiled, text: str, mesh: jax.sharding.Mesh
+) -> np.ndarray:
+  """The mesh coordinates of the device at each position of the program's device list.
+
+  Row ``i`` holds the coordinates (one per mesh axis) of the device that the
+  number ``i`` in the HLO's device groups stands for.
+  """
+  header = re.search(r"^HloModule\b.*$", text, re.MULTILINE)
+  program_devices = 1
+  for field in ("num_partitions", "replica_count"):
+    found = re.search(rf"\b{field}=(\d+)", header.group(0) if header else "")
+    program_devices *= int(found.group(1)) if found else 1
+  if program_devices > 1 and program_devices != mesh.size:
+    raise ValueError(
+      f"the program runs on {program_devices} devices but the mesh has {mesh.size} "
+      f"({dict(mesh.shape)}); pass the mesh the program was compiled over."
+    )
+  positions = {device.id: position for position, device in enumerate(mesh.devices.flat)}
+  order = list(range(mesh.size))
+  if not isinstance(hlo, str):
+    devices = hlo.runtime_executable().local_devices()
+    if len(devices) == mesh.size:  # one process sees them all: use the program's own order
+      outside = sorted(d.id for d in devices if d.id not in positions)
+      if outside:
+        raise ValueError(
+          f"the program runs on devices {outside} that are not in the mesh; pass the mesh the "
+          "program was compiled over."
+        )
+      order = [positions[device.id] for device in devices]
+  return np.stack(np.unravel_index(order, mesh.devices.shape), axis=-1)
+
+
+_EXPLICIT_GROUPS = re.compile(
+  r"(?:replica_groups|source_target_pairs)=\{((?:\s*\{[\d,\s]*\},?)*)\s*\}"
+)
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(
+  r"replica_groups=mesh\[([^\]]*)\]"
+  r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]+)\))?\s*\{([^}]*)\}"
+)
+
+
+def _device_groups(instruction: _Instruction, num_devices: int) -> list[tuple[int, ...]]:
+  """The groups of device positions a collective runs over (a permute's pairs are groups).
+
+  Examples:
+    >>> def groups(attributes, opcode="all-reduce"):
+    ...   return _device_groups(_Instruction("c", "f32[8]", opcode, "", (), attributes), 8)
+    >>> groups(", replica_groups={{0,2},{1,3}}, to_apply=%add")
+    [(0, 2), (1, 3)]
+    >>> groups(", replica_groups={}, to_apply=%add")
+    [(0, 1, 2, 3, 4, 5, 6, 7)]
+    >>> groups(", replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add")
+    [(0, 4), (1, 5), (2, 6), (3, 7)]
+    >>> groups(", replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, to_apply=%add")
+    [(0, 4), (1, 5), (2, 6), (3, 7)]
+    >>> groups(", replica_groups=mesh['a'=4,'b'=2], device_ids=([2,2,2]T(0,2,1)) {'a':(2)2}")
+    [(0, 1), (2, 3), (4, 5), (6, 7)]
+    >>> groups(", source_target_pairs={{0,1},{1,0}}", "collective-permute")
+    [(0, 1), (1, 0)]
+  """
+  attributes = instruction.attributes
+  if explicit := _EXPLICIT_GROUPS.search(attributes):
+    groups = [
+      tuple(int(i) for i in re.findall(r"\d+", group))
+      for group in re.findall(r"\{([^}]*)\}", explicit.group(1))
+    ]
+    if not groups and explicit.group(0).startswith("replica_groups"):
+      groups = [tuple(range(num_devices))]  # {}: all devices in one group
+  elif iota := _IOTA_GROUPS.search(attributes):
+    num_groups, group_size, dims, perm = iota.groups()
+    ids = _iota(dims, perm)
+    if ids.size != int(num_groups) * int(group_size):
+      raise ValueError(f"{iota.group(0)!r}: [{dims}] does not hold {num_groups}x{group_size} ids.")
+    groups = [tuple(group) for group in ids.reshape(int(num_groups), int(group_size)).tolist()]
+  elif mesh_axes := _MESH_GROUPS.search(attributes):
+    groups = _mesh_axes_groups(*mesh_axes.groups())
+  elif "replica_groups=" in attributes or "source_target_pairs=" in attributes:
+    raise ValueError(
+      f"cannot read the device groups of {instruction.opcode} {instruction.name}: "
+      f"{attributes.strip(', ')[:200]!r} is in none of the formats zerojax reads "
+      "({{0,1},...}, [2,4]<=[8]T(...), mesh[...] {...}); please report it with this HLO line."
+    )
+  elif instruction.opcode.startswith("collective-permute"):
+    raise ValueError(f"{instruction.opcode} {instruction.name} has no source_target_pairs.")
+  else:
+    groups = [tuple(range(num_devices))]  # no replica_groups: all devices in one group
+  outside = sorted({i for group in groups for i in group if i >= num_devices})
+  if outside:
+    raise ValueError(
+      f"{instruction.opcode} {instruction.name} names devices {outside}, but the mesh has "
+      f"{num_devices}; pass the mesh the program was compiled over."
+    )
+  return groups
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+  """XLA's iota device list ``[dims]T(perm)``: ``arange`` reshaped to ``dims``, transposed."""
+  shape = [int(d) for d in dims.split(",")]
+  order = [int(p) for p in perm.split(",")] if perm else list(range(len(shape)))
+  if sorted(order) != list(range(len(shape))):
+    raise ValueError(f"[{dims}]T({perm}) is not an iota device list: T() must permute its dims.")
+  return np.arange(math.prod(shape)).reshape(shape).transpose(order)
+
+
+def _mesh_axes_groups(axes: str, device_ids: str | None, grouped: str) -> list[tuple[int, ...]]:
+  """Groups of ``mesh[axes], device_ids=(...) {grouped}``: devices that differ only in ``grouped``.
+
+  A grouped axis is a whole mesh axis (``'a'``) or a sub-axis ``'a':(pre)size``,
+  the factor of size ``size`` after the major factors of product ``pre``.
+  """
+  sizes = {}
+  for name, size in re.findall(r"'?([^'=,\s]+)'?\s*=\s*(\d+)", axes):
+    sizes[name] = int(size)
+  if not sizes:
+    raise ValueError(f"cannot read the mesh axes of replica_groups=mesh[{axes}].")
+  if device_ids is None:
+    ids = np.arange(math.prod(sizes.values()))
+  elif device_ids.startswith("["):
+    dims, _, perm = device_ids[1:].partition("]")
+    ids = _iota(dims, perm.removeprefix("T(").removesuffix(")") or None)
+  else:
+    ids = np.array([int(i) for i in device_ids.split(",")])
+  if ids.size != math.prod(sizes.values()):
+    raise ValueError(
+      f"mesh[{axes}] has {math.prod(sizes.values())} devices, device_ids {ids.size}."
+    )
+  sub_axes = collections.defaultdict(list)  # mesh axis -> (pre, size) of its grouped parts
+  for name, pre, size in re.findall(r"'?([^':,\s]+)'?(?::\((\d+)\)(\d+))?", grouped):
+    if name not in sizes:
+      raise ValueError(f"replica_groups names axis {name!r}, which mesh[{axes}] does not have.")
+    sub_axes[name].append((int(pre), int(size)) if pre else (1, sizes[name]))
+  factors, is_grouped = [], []  # each mesh axis split into factors, major to minor
+  for name, full in sizes.items():
+    prefix = 1
+    for pre, size in sorted(sub_axes[name]):
+      if pre < prefix or pre % prefix or full % (pre * size):
+        raise ValueError(f"sub-axis {name}:({pre}){size} does not divide axis {name}={full}.")
+      if pre > prefix:
+        factors.append(pre // prefix)
+        is_grouped.append(False)
+      factors.append(size)
+      is_grouped.append(True)
+      prefix = pre * size
+    if prefix < full:
+      factors.append(full // prefix)
+      is_grouped.append(False)
+  order = sorted(range(len(factors)), key=is_grouped.__getitem__)  # grouped factors last
+  group_size = math.prod(f for f, g in zip(factors, is_grouped, strict=True) if g)
+  blocks = ids.reshape(factors).transpose(order).reshape(-1, group_size)
+  return [tuple(group) for group in blocks.tolist()]
