@@ -48,3 +48,20 @@ def test_train_lm_resumes_where_it_stopped(tmp_path):
   assert resumed["train_loss"] == straight["train_loss"][3:]
   final = [zerojax.load_params(tmp_path / name, step=6) for name in ("straight", "resumed")]
   jax.tree.map(np.testing.assert_array_equal, *final)
+
+
+@pytest.fixture(scope="module")
+def flat_tiny_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("flat")
+  return train_lm.main(["--model", "tiny", "--steps", "4", "--out", str(out)])
+
+
+@pytest.mark.parametrize("mesh", ["replica=2,data=4", "data=4,model=2"])
+def test_train_lm_on_a_multi_axis_mesh_trains_like_a_flat_one(mesh, flat_tiny_run, tmp_path):
+  # Hybrid sharding, and tensor parallelism over the attention and MLP weights:
+  # the same losses as 8 devices on one data axis, to rounding.
+  metrics = train_lm.main(
+    ["--model", "tiny", "--steps", "4", "--mesh", mesh, "--out", str(tmp_path)]
+  )
+  assert metrics["config"]["mesh"] == train_lm.parse_mesh(mesh)
+  np.testing.assert_allclose(metrics["train_loss"], flat_tiny_run["train_loss"], rtol=1e-5)

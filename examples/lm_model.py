@@ -1,0 +1,198 @@
+"""The character-level GPT that examples/train_lm.py trains: its sizes, modules and sampler.
+
+A decoder-only transformer over bytes (pre-norm RMSNorm, causal multi-head
+attention, ReLU MLP, learned positions, tied embeddings) written as Flax Linen
+modules. Its layers run under ``nn.scan``, so their parameters are stacked
+along a leading layer dimension; the scanned block is wrapped with
+``zerojax.flax.remat_gathered``, which gathers one layer's weights when the
+block is called and re-gathers them in the backward pass, so under ZeRO-3 only
+one layer is ever whole. ``tensor_parallel_specs`` says how Megatron-style
+tensor parallelism places the layers' weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+import zerojax.flax
+
+VOCAB = 256  # bytes
+SAMPLE_PROMPT = "def "
+SAMPLE_LENGTH = 240
+SAMPLE_TEMPERATURE = 0.7
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A model size and the defaults of the flags that go with it."""
+
+  d_model: int
+  n_layers: int
+  n_heads: int
+  seq_len: int
+  batch_size: int
+  lr: float
+  steps: int
+
+
+PRESETS = {
+  # For CI: seconds on a laptop CPU.
+  "tiny": Preset(d_model=64, n_layers=2, n_heads=4, seq_len=64, batch_size=32, lr=3e-3, steps=50),
+  # The default: a few minutes on a 2-core CPU, well below the unigram baseline.
+  "small": Preset(
+    d_model=128, n_layers=4, n_heads=4, seq_len=64, batch_size=32, lr=3e-3, steps=600
+  ),
+  # For accelerators.
+  "medium": Preset(
+    d_model=512, n_layers=8, n_heads=8, seq_len=256, batch_size=64, lr=6e-4, steps=5000
+  ),
+  "large": Preset(
+    d_model=1024, n_layers=24, n_heads=16, seq_len=512, batch_size=128, lr=3e-4, steps=20000
+  ),
+}
+
+
+def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+class Block(nn.Module):
+  """One pre-norm transformer layer, in the ``(carry, _) -> (carry, None)`` form of ``nn.scan``."""
+
+  d_model: int
+  n_heads: int
+  residual_std: float
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+    d = self.d_model
+    normal = nn.initializers.normal
+    norm_attn = self.param("norm_attn", nn.initializers.ones, (d,))
+    qkv = self.param("qkv", normal(0.02), (d, 3 * d))
+    attn_out = self.param("attn_out", normal(self.residual_std), (d, d))
+    norm_mlp = self.param("norm_mlp", nn.initializers.ones, (d,))
+    mlp_in = self.param("mlp_in", normal(0.02), (d, 4 * d))
+    mlp_out = self.param("mlp_out", normal(self.residual_std), (4 * d, d))
+    batch, length, _ = x.shape
+    heads = lambda t: t.reshape(batch, length, self.n_heads, d // self.n_heads)
+    q, k, v = jnp.split(rms_norm(x, norm_attn) @ qkv, 3, axis=-1)
+    attended = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+    x = x + attended.reshape(batch, length, d) @ attn_out
+    return x + jax.nn.relu(rms_norm(x, norm_mlp) @ mlp_in) @ mlp_out, None
+
+
+class Tables(nn.Module):
+  """The parameters outside the layers, returned whole: byte and position embeddings, final norm."""
+
+  d_model: int
+  seq_len: int
+
+  @nn.compact
+  def __call__(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    normal = nn.initializers.normal
+    return (
+      self.param("embed", normal(0.02), (VOCAB, self.d_model)),  # tied: also the output layer
+      self.param("pos", normal(0.01), (self.seq_len, self.d_model)),
+      self.param("norm_out", nn.initializers.ones, (self.d_model,)),
+    )
+
+
+class GPT(nn.Module):
+  """A decoder-only transformer over bytes; its layers run under ``nn.scan``.
+
+  Each module gathers its own parameters when it is called
+  (``zerojax.flax.gathered``), and the scanned block is also rematerialised
+  with ``zerojax.remat_policy`` (``zerojax.flax.remat_gathered``), so under
+  ZeRO-3 one layer is whole at a time, in the forward and the backward pass.
+  On full parameters (stage 0, evaluation) the gathers do nothing.
+  """
+
+  d_model: int
+  n_layers: int
+  n_heads: int
+  seq_len: int
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """Next-byte logits, shape ``tokens.shape + (VOCAB,)``."""
+    embed, pos, norm_out = zerojax.flax.gathered(Tables)(self.d_model, self.seq_len)()
+    # A one-hot matmul rather than a gather: its sharding follows the tokens' in
+    # every view (a gather under explicit sharding must be told its output's).
+    x = jax.nn.one_hot(tokens, VOCAB) @ embed + pos[: tokens.shape[1]]
+    layers = nn.scan(
+      zerojax.flax.remat_gathered(Block, prevent_cse=False),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=self.n_layers,
+    )
+    residual_std = 0.02 / math.sqrt(2 * self.n_layers)
+    x, _ = layers(self.d_model, self.n_heads, residual_std, name="layers")(x, None)
+    return rms_norm(x, norm_out) @ embed.T
+
+
+def make_model(preset: Preset, seq_len: int) -> GPT:
+  return GPT(preset.d_model, preset.n_layers, preset.n_heads, seq_len)
+
+
+def init_params(model: GPT, seed: int) -> dict[str, Any]:
+  """GPT-2 style initialisation, as host arrays (placing host arrays needs no compilation)."""
+  tokens = np.zeros((1, model.seq_len), np.int32)
+  return jax.device_get(jax.jit(model.init)(jax.random.key(seed), tokens)["params"])
+
+
+def loss_fn(params: dict[str, Any], x: jax.Array, y: jax.Array, model: GPT) -> jax.Array:
+  """Mean next-byte cross-entropy, in nats, computed in fp32 whatever the compute dtype."""
+  logits = model.apply({"params": params}, x).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def sample(params: Any, model: GPT, key: jax.Array, prompt: str = SAMPLE_PROMPT) -> str:
+  """Continues ``prompt`` by ``SAMPLE_LENGTH`` bytes, sampled at ``SAMPLE_TEMPERATURE``."""
+  start = len(prompt.encode())
+  seq_len = model.seq_len
+  buffer = np.zeros(max(seq_len, start + SAMPLE_LENGTH), np.int32)
+  buffer[:start] = np.frombuffer(prompt.encode(), np.uint8)
+
+  @jax.jit
+  def generate(params, buffer, key):
+    def next_byte(i, carry):
+      buffer, key = carry
+      end = start + i
+      first = jnp.maximum(end - seq_len, 0)
+      window = jax.lax.dynamic_slice(buffer, (first,), (seq_len,))
+      logits = model.apply({"params": params}, window[None])[0, end - first - 1]
+      key, subkey = jax.random.split(key)
+      token = jax.random.categorical(subkey, logits / SAMPLE_TEMPERATURE)
+      return buffer.at[end].set(token), key
+
+    return jax.lax.fori_loop(0, SAMPLE_LENGTH, next_byte, (buffer, key))[0]
+
+  out = np.asarray(generate(params, buffer, key))[: start + SAMPLE_LENGTH]
+  return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def tensor_parallel_specs(params: dict[str, Any], axis: str = "model") -> dict[str, Any]:
+  """Megatron-style placements over ``axis`` for every parameter (``P()``: replicated).
+
+  Attention's fused ``qkv`` and the MLP's ``mlp_in`` are column-parallel (their
+  output dimension split), ``attn_out`` and ``mlp_out`` row-parallel (their
+  input dimension split), so each block needs one all-reduce of activations
+  forward and one backward per pair; the leading dimension of the stacked
+  layers stays whole. Norms and the embeddings stay replicated.
+  """
+  column, row = P(None, None, axis), P(None, axis, None)
+  split = {"qkv": column, "attn_out": row, "mlp_in": column, "mlp_out": row}
+  in_layers = lambda path: path[0].key == "layers" and path[-1].key in split
+  return jax.tree_util.tree_map_with_path(
+    lambda path, _: split[path[-1].key] if in_layers(path) else P(), params
+  )
