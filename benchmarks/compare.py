@@ -324,25 +324,37 @@ def run_steps(setup: Setup, batch, count: int) -> list[float]:
   return times
 
 
-def time_interleaved(setups: list[Setup], batch, warmup: int, rounds: int, steps: int):
+def time_interleaved(
+  setups: list[Setup], batch, warmup: int, rounds: int, steps: int, batches=None
+):
   """Step times per setup, and per-round ratios to the first setup.
 
   Each round runs ``steps`` steps of every setup in turn, so a slow spell of
   a shared machine hits all setups alike; a setup's ratio for a round is its
   median step time over the first setup's in the same round.
 
+  Args:
+    setups: the setups, the baseline first.
+    batch: the batch every setup trains on...
+    warmup: untimed steps per setup.
+    rounds: timing rounds.
+    steps: timed steps per setup per round.
+    batches: ...unless this maps its name to a batch of its own (placed on
+      another mesh).
+
   Returns:
     ``(times, ratios)``: per setup, every timed step's seconds, and the
     per-round ratios.
   """
+  batch_of = lambda setup: (batches or {}).get(setup.name, batch)
   for setup in setups:
-    run_steps(setup, batch, warmup)
+    run_steps(setup, batch_of(setup), warmup)
   times = {s.name: [] for s in setups}
   ratios = {s.name: [] for s in setups}
   for _ in range(rounds):
     medians = {}
     for setup in setups:
-      round_times = run_steps(setup, batch, steps)
+      round_times = run_steps(setup, batch_of(setup), steps)
       times[setup.name] += round_times
       medians[setup.name] = statistics.median(round_times)
     baseline = medians[setups[0].name]

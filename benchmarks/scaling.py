@@ -16,6 +16,15 @@ and to GSPMD FSDP, timed in interleaved rounds in the same process. It then
 checks the targets (estimator within 10%, 2Ψ / 3Ψ within 10%, zero3 no slower
 than GSPMD FSDP) and plots memory and communication against N.
 
+On the largest N it also trains the three stages on two-axis meshes:
+hybrid sharding, ``(replica, data)`` = (2, N/2), and tensor parallelism,
+``(data, model)`` = (N/2, 2) with the attention and MLP weights placed
+Megatron-style (column-parallel ``qkv`` and ``up``, row-parallel ``out`` and
+``down``), and reports each one's memory against the formula, the bytes its
+collectives move over each mesh axis (read from the compiled HLO by
+``zerojax.count_collectives_by_axes``), and its step time against replicated
+DP on the flat mesh, with a plot of the bytes per axis.
+
 Run (two minutes on two idle cores, five or more when other jobs share them)::
 
   python benchmarks/scaling.py --markdown docs/scaling.md --plots docs/img
@@ -35,7 +44,8 @@ from typing import Any
 import compare
 import jax
 import optax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from matplotlib.figure import Figure
 
 import zerojax
@@ -114,6 +124,109 @@ def measure_n(model: compare.ModelConfig, params: Any, n: int, args) -> list[dic
       "fsdp_range": f"{min(versus_fsdp):.2f}-{max(versus_fsdp):.2f}",
     }
   return rows
+
+
+#: The two-axis meshes of the largest N: name -> (axis sizes as fractions of N, axis names).
+MULTI_AXIS = {
+  "hybrid": ((2, None), ("replica", compare.AXIS)),
+  "tensor": ((None, 2), (compare.AXIS, "model")),
+}
+
+
+def megatron_specs(params: Any) -> Any:
+  """Tensor-parallel placements over ``model`` for ``compare``'s transformer (others replicated)."""
+  column, row = P(None, None, "model"), P(None, "model", None)
+  split = {"qkv": column, "up": column, "out": row, "down": row}
+  return jax.tree_util.tree_map_with_path(
+    lambda path, _: split.get(path[-1].key, P()) if path[0].key == "layers" else P(), params
+  )
+
+
+def multi_axis_mesh(name: str, n: int) -> jax.sharding.Mesh:
+  sizes, names = MULTI_AXIS[name]
+  shape = tuple(size or n // 2 for size in sizes)
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:n])
+
+
+def measure_multi_axis(model: compare.ModelConfig, params: Any, n: int, args) -> list[dict]:
+  """Every stage (explicit) on the two-axis meshes, timed against replicated DP on ``n`` devices.
+
+  Returns rows with the mesh, persistent bytes and their formula, the step's
+  temporaries, the bytes moved over each axis in units of Ψ, and the step
+  time relative to replicated DP (median of per-round ratios).
+  """
+  flat = jax.make_mesh(
+    (n,), (compare.AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:n]
+  )
+  batch = compare.make_batch(model, flat)
+  dp = compare.build_setups(model, flat, batch, (compare.replicated_dp,))
+  setups, batches, meshes = [], {}, {}
+  for name in MULTI_AXIS:
+    mesh = multi_axis_mesh(name, n)
+    replica = "replica" if "replica" in mesh.axis_names else None
+    batch_axes = tuple(a for a in ("replica", compare.AXIS) if a in mesh.axis_names)
+    placed = compare.make_batch(model, mesh)
+    mesh_batch = jax.device_put(placed, NamedSharding(mesh, P(batch_axes)))
+    for stage in (1, 2, 3):
+      full = compare.init_params(model, jax.random.key(0))
+      specs = megatron_specs(full)
+      if "model" not in mesh.axis_names:
+        specs = jax.tree.map(lambda _: P(), full)
+      full = jax.device_put(full, shardings_on(mesh, specs))
+      tx = compare._STAGES[stage](optax.adam(1e-3), mesh=mesh, replica_axis=replica)
+      grad_fn = zerojax.value_and_grad(compare.make_loss(model), tx)
+      setup = compare._compile_zero(f"zero{stage} {name}", tx, grad_fn, full, mesh_batch)
+      setups.append(setup)
+      batches[setup.name], meshes[setup.name] = mesh_batch, (mesh, specs)
+      print(f"compiled {setup.name}", flush=True)
+  _, ratios = compare.time_interleaved(
+    dp + setups, batch, args.warmup, args.rounds, args.steps, batches=batches
+  )
+  psi = parameter_count(params)
+  rows = []
+  for setup in setups:
+    mesh, specs = meshes[setup.name]
+    by_axes = zerojax.count_collectives_by_axes(setup.step, mesh)
+    moved = {axis: 0.0 for axis in mesh.axis_names}
+    for axes, kinds in by_axes.items():
+      for kind, collective in kinds.items():
+        for axis in axes:  # a collective over several axes counts on each
+          moved[axis] += collective.bytes * (2 if kind == "all-reduce" else 1) / (4 * psi)
+    stage = stage_of(setup.name)
+    rows.append(
+      {
+        "setup": setup.name,
+        "mesh": " x ".join(f"{a}={s}" for a, s in mesh.shape.items()),
+        "persistent": compare.persistent_bytes((setup.params, setup.state)) / compare.MIB,
+        "ideal": ideal_multi_axis(params, specs, stage, mesh) / compare.MIB,
+        "temp": setup.step.memory_analysis().temp_size_in_bytes / compare.MIB,
+        **{f"{axis} Ψ": moved.get(axis, 0.0) for axis in ("replica", compare.AXIS, "model")},
+        "vs DP": statistics.median(ratios[setup.name]),
+        "range": f"{min(ratios[setup.name]):.2f}-{max(ratios[setup.name]):.2f}",
+      }
+    )
+  return rows
+
+
+def shardings_on(mesh: jax.sharding.Mesh, specs: Any) -> Any:
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def ideal_multi_axis(params: Any, specs: Any, stage: int, mesh) -> float:
+  """Persistent bytes per device by the formula: N = the data axis, times ``model`` where placed.
+
+  fp32 parameters (4 bytes, split over the data axis in stage 3) and Adam's
+  two moments (8 bytes, always split); a leaf placed on ``model`` is divided
+  by its size too. Replica axes divide nothing.
+  """
+  n, model = mesh.shape[compare.AXIS], mesh.shape.get("model", 1)
+  total = 0.0
+  for leaf, spec in zip(
+    jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)), strict=True
+  ):
+    size = math.prod(leaf.shape) / (model if any(spec) else 1)
+    total += size * (4 / (n if stage == 3 else 1) + 8 / n)
+  return total
 
 
 # ---------------------------------------------------------------------------
@@ -323,7 +436,47 @@ COMMS_COLUMNS = {
 }
 
 
-def report(rows, args, argv, psi: int, elapsed: float, load, plots: dict[str, str]) -> str:
+MULTI_AXIS_COLUMNS = {
+  "setup": ("setup", "s"),
+  "mesh": ("mesh", "s"),
+  "persistent": ("params+opt MiB", ".2f"),
+  "ideal": ("formula MiB", ".2f"),
+  "temp": ("XLA temp MiB", ".2f"),
+  "replica Ψ": ("over replica (Ψ)", ".2f"),
+  "data Ψ": ("over data (Ψ)", ".2f"),
+  "model Ψ": ("over model (Ψ)", ".2f"),
+  "vs DP": ("time vs DP", ".2f"),
+  "range": ("per-round range", "s"),
+}
+
+
+def plot_multi_axis(rows: list[dict], path: str) -> None:
+  """Bytes moved per step over each mesh axis, in Ψ, one stacked bar per setup."""
+  figure = Figure(figsize=(7, 3.6))
+  ax = figure.subplots()
+  names = [row["setup"] for row in rows]
+  bottom = [0.0] * len(rows)
+  for axis, color in (("data", "tab:blue"), ("replica", "tab:red"), ("model", "tab:green")):
+    values = [row[f"{axis} Ψ"] for row in rows]
+    ax.bar(names, values, bottom=bottom, label=f"over {axis}", color=color)
+    bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+  ax.set(ylabel="bytes moved per step (Ψ)", title="Communication per mesh axis, 8 devices")
+  ax.tick_params(axis="x", labelrotation=30)
+  ax.legend()
+  figure.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def report(
+  rows,
+  args,
+  argv,
+  psi: int,
+  elapsed: float,
+  load,
+  plots: dict[str, str],
+  multi_axis: list[dict] | None = None,
+  multi_axis_plots: dict[str, str] | None = None,
+) -> str:
   """The results section: how it was run, on what, the tables, the plots and the targets.
 
   Args:
@@ -334,7 +487,10 @@ def report(rows, args, argv, psi: int, elapsed: float, load, plots: dict[str, st
     elapsed: the run's wall time in seconds.
     load: the one-minute load average at the start and at the end of the run.
     plots: title -> path of each plot, relative to the Markdown file.
+    multi_axis: ``measure_multi_axis``'s rows, if measured.
+    multi_axis_plots: their plots, like ``plots``.
   """
+  multi_axis_plots = multi_axis_plots or {}
   lines = [
     f"{compare.provenance(max(args.devices), elapsed, load)} Each N ran on a mesh over the "
     f"first N of them.",
@@ -360,23 +516,40 @@ def report(rows, args, argv, psi: int, elapsed: float, load, plots: dict[str, st
     *communication_targets(rows),
     *time_targets(rows),
   ]
+  if multi_axis:
+    lines += [
+      "",
+      f"**Two-axis meshes, N = {max(args.devices)}**",
+      "",
+      compare.table(multi_axis, MULTI_AXIS_COLUMNS),
+      "",
+      *(f"![{title}]({path})\n" for title, path in multi_axis_plots.items()),
+    ]
   return "\n".join(lines)
 
 
-def write_plots(rows: list[dict], params: Any, args) -> dict[str, str]:
-  """Saves the plots into ``--plots``; returns title -> path relative to ``--markdown``."""
+def write_plots(rows: list[dict], params: Any, args, multi_axis: list[dict]) -> tuple[dict, dict]:
+  """Saves the plots into ``--plots``; returns title -> path relative to ``--markdown``.
+
+  One mapping for the plots against N, one for the two-axis meshes' plot.
+  """
   if not args.plots:
-    return {}
+    return {}, {}
   os.makedirs(args.plots, exist_ok=True)
   memory = os.path.join(args.plots, "scaling_memory.png")
   communication = os.path.join(args.plots, "scaling_communication.png")
   plot_memory(rows, params, memory)
   plot_communication(rows, communication)
   here = os.path.dirname(args.markdown or ".") or "."
-  return {
+  against_n = {
     "memory per device vs N": os.path.relpath(memory, here),
     "communication per step vs N": os.path.relpath(communication, here),
   }
+  if not multi_axis:
+    return against_n, {}
+  per_axis = os.path.join(args.plots, "scaling_mesh_axes.png")
+  plot_multi_axis(multi_axis, per_axis)
+  return against_n, {"communication per mesh axis": os.path.relpath(per_axis, here)}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -396,6 +569,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=1, help="timed steps per setup per round")
   parser.add_argument("--markdown", metavar="PATH", help="write the results into this file")
   parser.add_argument("--plots", metavar="DIR", help="save the PNG plots into this directory")
+  parser.add_argument(
+    "--no-multi-axis",
+    dest="multi_axis",
+    action="store_false",
+    help="skip the two-axis meshes (hybrid sharding, tensor parallelism) at the largest N",
+  )
   return parser.parse_args(argv)
 
 
@@ -411,10 +590,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   for n in args.devices:
     rows += measure_n(model, params, n, args)
     print(f"measured N = {n} after {time.perf_counter() - start:.0f} s", flush=True)
-  plots = write_plots(rows, params, args)
+  multi_axis = []
+  if args.multi_axis and max(args.devices) >= 4:
+    multi_axis = measure_multi_axis(model, params, max(args.devices), args)
+    print(f"measured the two-axis meshes after {time.perf_counter() - start:.0f} s", flush=True)
+  plots, multi_axis_plots = write_plots(rows, params, args, multi_axis)
   load.append(os.getloadavg()[0])
   elapsed = time.perf_counter() - start
-  section = report(rows, args, argv, parameter_count(params), elapsed, load, plots)
+  psi = parameter_count(params)
+  section = report(rows, args, argv, psi, elapsed, load, plots, multi_axis, multi_axis_plots)
   print(section)
   if args.markdown:
     compare.write_markdown(args.markdown, section, begin=RESULTS_BEGIN, title="Scaling")

@@ -330,3 +330,31 @@ def state_spec(tx):
     placed_params(tx.mesh),
   )
   return zerojax.train_state_spec(tx, structs, step=jnp.int32(0))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_sharding_sends_only_the_gradient_shard_across_replicas(stage):
+  # Read from the compiled step: gathers and reduce-scatters stay inside the
+  # data groups; what crosses replicas is one all-reduce of the gradient
+  # shard (plus the loss and a few replicated scalars), Ψ/N, not the model.
+  mesh = make_mesh("hsdp")
+  tx = make_tx(stage, mesh)
+  params = tx.shard(make_params())
+  state = tx.init(params)
+
+  def step(params, state, x, y):
+    _, grads = zerojax.value_and_grad(loss_fn, tx)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  compiled = jax.jit(step).lower(params, state, *batch_on(mesh)).compile()
+  by_axes = zerojax.count_collectives_by_axes(compiled, mesh)
+  model_bytes = sum(x.nbytes for x in jax.tree.leaves(make_params()))
+  across = {axes: kinds for axes, kinds in by_axes.items() if "replica" in axes}
+  moved = {
+    (axes, kind): c.bytes for axes, kinds in across.items() for kind, c in kinds.items() if c.bytes
+  }
+  assert set(kind for _, kind in moved) <= {"all-reduce"}, moved
+  assert sum(moved.values()) <= 1.15 * model_bytes / tx.num_shards
+  inside = sum(c.bytes for c in by_axes[("data",)].values())
+  assert inside >= model_bytes  # the model's gathers and reduce-scatters: inside the groups
