@@ -1,7 +1,8 @@
-"""Reporting for examples/train_lm.py: the compiled step's memory per device, and the loss plot."""
+"""Reporting for examples/train_lm.py: the step's memory per device, the loss log and plot."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -53,3 +54,9 @@ def plot(
   ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)")
   ax.legend()
   figure.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def log_loss(path: pathlib.Path, step: int, loss: float) -> None:
+  """Appends ``{"step": step, "loss": loss}`` to ``path`` as one line (one small write)."""
+  with open(path, "a") as log:
+    log.write(json.dumps({"step": step, "loss": loss}) + "\n")

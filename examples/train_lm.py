@@ -7,7 +7,11 @@ running interpreter's standard library, no download. Gradients come from
 the batch. Stage 0 is the baseline: replicated parameters and optimizer state,
 plain ``jax.value_and_grad`` under ``jax.jit``. At the end the script prints the
 compiled train step's per-device memory next to stage 0's, writes
-``metrics.json`` and ``loss.png`` to ``--out``, and prints a sample.
+``metrics.json`` and ``loss.png`` to ``--out``, and prints a sample. Every
+step's training loss is appended to ``--out``/``losses.jsonl`` as it is computed
+(a line ``{"step": 5, "loss": 2.31...}``; with ``--resume`` the file is
+continued, so it records every attempt of a restarted run, re-done steps
+included).
 
 On CPU the script asks XLA for ``--devices`` host devices (8 by default), so the
 sharding is real. Usage::
@@ -20,6 +24,8 @@ sharding is real. Usage::
   python examples/train_lm.py --mesh data=4,model=2           # with tensor parallelism
   python examples/train_lm.py --checkpoint-dir ckpt --resume  # save every 100 steps; resume
   python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py  # 2 processes
+  python -m zerojax.launch -n 2 --devices-per-process 4 --max-restarts 3 \
+    examples/train_lm.py --checkpoint-dir ckpt --resume      # restarted after failures
 
 ``--mesh`` lays the devices out over named axes: ``data`` (ZeRO shards over it),
 ``replica`` (everything replicated, the batch split: hybrid sharding) and
@@ -27,8 +33,17 @@ sharding is real. Usage::
 ``lm_model.tensor_parallel_specs``). With ``--checkpoint-dir`` the training
 state (parameters, optimizer state with its master copy and loss scale, step)
 is saved as sharded arrays every ``--save-every`` steps and at the end, keeping
-the last ``--keep``; ``--resume`` continues from the latest one, on any device
-count, mesh or stage.
+the last ``--keep``; ``--resume`` continues from the latest one that can be
+read, on any device count, mesh or stage. Batches are a function of the seed and
+the step number, so a resumed run trains on exactly the batches an
+uninterrupted run would.
+
+Preemption: on SIGTERM (a preempted VM, SLURM's ``--signal``, the launcher
+being stopped) every process finishes its step, all stop after the same step
+(``zerojax.preemption_requested``), save it (with ``--checkpoint-dir``) and exit
+with status ``zerojax.PREEMPTED_EXIT_CODE`` (75), which ``python -m
+zerojax.launch`` answers with a restart. Under ``--resume`` the restarted run
+continues from exactly that step.
 
 Multi-process (one process per host or GPU): ``--coordinator``,
 ``--num-processes`` and ``--process-id`` (or the variables ``python -m
@@ -37,7 +52,8 @@ Cloud TPU pod slice) join the processes with ``zerojax.initialize``; each
 process then loads only its rows of every batch. Process 0 alone prints and
 writes files.
 
-From Python, ``main(["--model", "tiny", "--steps", "20"])`` returns the metrics.
+From Python, ``main(["--model", "tiny", "--steps", "20"])`` returns the metrics
+(or raises ``SystemExit(75)`` when preempted).
 """
 
 from __future__ import annotations
@@ -123,6 +139,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--eval-every", type=int, default=100, help="steps between validations")
+  parser.add_argument(
+    "--report",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="end with the per-device memory table (compiling the stage-0 step too) and a sample; "
+    "--no-report skips both, e.g. for a long run where only the checkpoints matter",
+  )
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out"))
   args = parser.parse_args(argv)
   preset = lm_model.PRESETS[args.model]
@@ -339,6 +362,11 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   # The optimizer state (with the fp32 master copy) first: placing may round to --precision.
   opt_state = setup.init(initial)
   params = setup.place(initial)
+  loss_log = args.out / "losses.jsonl"  # appended to every step: a killed run keeps its lines
+  if leader:
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.resume:
+      loss_log.unlink(missing_ok=True)
   checkpoints, first_step = None, 1
   if args.checkpoint_dir:
     spec = zerojax.train_state_spec(setup.tx, initial, step=np.int32(0))
@@ -389,6 +417,22 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     params, opt_state, value = compiled(params, opt_state, x, y)
     train_loss.append(float(value))
     step_times.append(time.perf_counter() - start)
+    if leader:
+      lm_report.log_loss(loss_log, step, train_loss[-1])
+    # Every process, every step: True at the same step on all once any got SIGTERM.
+    preempted = zerojax.preemption_requested(step)
+    if checkpoints:
+      state = {"params": params, "opt_state": opt_state, "step": np.int32(step)}
+      state["step"] = jax.device_put(state["step"], NamedSharding(mesh, P()))
+      checkpoints.save(step, state, force=step == args.steps or preempted)
+    if preempted:
+      bar.close()
+      if checkpoints:
+        checkpoints.close()  # waits for the save
+      saved = f"saved it to {args.checkpoint_dir}" if checkpoints else "no --checkpoint-dir"
+      status = zerojax.PREEMPTED_EXIT_CODE
+      say(f"preempted: stopped after step {step} ({saved}); exiting with status {status}")
+      raise SystemExit(status)
     stats = dict(loss=f"{train_loss[-1]:.3f}")
     if args.stage:
       grad_norms.append(float(opt_state.pre_clip_grad_norm))
@@ -404,27 +448,24 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
           f"step {step}: train {train_loss[-1]:.3f}, validation {val_loss[-1]['loss']:.3f} "
           f"(unigram {baseline:.3f}) nats/byte"
         )
-    if checkpoints:
-      state = {"params": params, "opt_state": opt_state, "step": np.int32(step)}
-      state["step"] = jax.device_put(state["step"], NamedSharding(mesh, P()))
-      checkpoints.save(step, state, force=step == args.steps)
   bar.close()
   if checkpoints:
     checkpoints.close()  # waits for the last save
     say(f"checkpoints {checkpoints.all_steps()} in {args.checkpoint_dir}")
 
   full_params = setup.gather(params)
-  if args.stage:
+  if args.stage and args.report:
     # The baseline holds a whole replica of the parameters and optimizer state.
     baseline_setup = make_setup(0, mesh, optimizer, loss)
     params0 = place_on_model_axis(full_params, mesh)
     opt_state0 = baseline_setup.init(params0)
     compiled0 = baseline_setup.step.lower(params0, opt_state0, *example).compile()
     memory = {"stage 0": lm_report.memory_stats(compiled0, params0, opt_state0), **memory}
-  say(lm_report.format_memory(memory))
-
-  text = lm_model.sample(full_params, model, jax.random.key(args.seed))
-  say(f"sample:\n{text}")
+  text = None
+  if args.report:
+    say(lm_report.format_memory(memory))
+    text = lm_model.sample(full_params, model, jax.random.key(args.seed))
+    say(f"sample:\n{text}")
 
   step_seconds = float(np.median(step_times))
   metrics = {
@@ -446,7 +487,6 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     "sample": text,
   }
   if leader:
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     lm_report.plot(args.out / "loss.png", train_loss, val_loss, baseline)
     print(f"wrote {args.out / 'metrics.json'} and {args.out / 'loss.png'}")

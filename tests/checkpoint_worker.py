@@ -8,9 +8,15 @@ interruptions gives the same parameters.
 
 ``python checkpoint_worker.py restore DIRECTORY`` restores the latest
 checkpoint and prints the error, if any.
+
+Faults for the restart tests, in ``CHECKPOINT_WORKER_FAULT`` (comma-separated):
+``kill-in-first-save`` kills the process (SIGKILL) while its first save is
+being written, on the first attempt only (``ZEROJAX_ATTEMPT``, set by
+``python -m zerojax.launch``); ``raise-at-N`` raises at step N, every time.
 """
 
 import os
+import signal
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -70,15 +76,21 @@ def make_train_step(tx):
 
 
 def train(directory, steps):
+  faults = os.environ.get("CHECKPOINT_WORKER_FAULT", "").split(",")
   tx, checkpoints = setup(directory)
   with checkpoints:
-    start = checkpoints.latest_step()
-    state = initial_state(tx) if start is None else checkpoints.restore()
-    print(f"start {start}", flush=True)
+    fresh = checkpoints.latest_step() is None
+    state = initial_state(tx) if fresh else checkpoints.restore()
+    print(f"start {None if fresh else int(state['step'])}", flush=True)
     train_step = make_train_step(tx)
     while int(state["step"]) < steps:
       state = train_step(state)
+      if f"raise-at-{int(state['step'])}" in faults:
+        raise RuntimeError(f"injected fault at step {int(state['step'])}")
       checkpoints.save(int(state["step"]), state)
+      if "kill-in-first-save" in faults and os.environ.get("ZEROJAX_ATTEMPT") == "1":
+        print(f"killed while writing {sorted(os.listdir(directory))}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
       print(f"saving {int(state['step'])}", flush=True)
   final = tx.gather(state["params"])
   np.savez(os.path.join(directory, "final.npz"), **{k: np.asarray(v) for k, v in final.items()})

@@ -10,7 +10,11 @@ on a (replica, data) mesh whose replicas are the processes (one "node" each);
 provoke ``global_batch``'s errors. Every process writes
 what it saw to ``OUT/p<process id>.npz`` and ``.json``. The test runs the same
 function in its own single process for the comparison. ``die``: train until
-process 1 kills itself with SIGKILL.
+process 1 kills itself with SIGKILL. ``raise``: process 1 raises at step 2.
+``preempt``: with JAX's preemption service off (so ``preemption_requested``
+all-gathers its own SIGTERM flag), process 1 sends itself SIGTERM at step 3;
+every process prints the step it stopped at and exits preempted (on the first
+attempt; a second one exits at once).
 """
 
 import argparse
@@ -147,25 +151,41 @@ def batch_errors(mesh):
   return errors
 
 
-def die() -> None:
+def steps(mode: str) -> None:
+  """Trains step after step until ``mode``'s fault ends the process."""
+  if mode == "preempt" and os.environ.get("ZEROJAX_ATTEMPT") != "1":
+    return
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   batch = zerojax.global_batch(local_rows(models.make_batch()), mesh)
   _, params, state, step = start(3, mesh)
+  faulty = jax.process_index() == 1
   for count in range(10**6):
     params, state, loss = step(params, state, *batch)
     print(f"step {count}: loss {float(loss):.4f}", flush=True)
-    if count == 1 and jax.process_index() == 1:
+    if mode == "die" and count == 1 and faulty:
       os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "raise" and count == 2 and faulty:
+      raise RuntimeError("injected fault at step 2")
+    if mode == "preempt":
+      if count == 3 and faulty:
+        os.kill(os.getpid(), signal.SIGTERM)
+      if zerojax.preemption_requested(count):
+        print(f"stopped after step {count}", flush=True)
+        sys.exit(zerojax.PREEMPTED_EXIT_CODE)
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", choices=["train", "die"])
+  parser.add_argument("mode", choices=["train", "die", "raise", "preempt"])
   parser.add_argument("out", type=Path, nargs="?")
   parser.add_argument("restore", type=Path, nargs="?")
   args = parser.parse_args(argv)
-  zerojax.initialize(heartbeat_timeout=20, collective_timeout=60)
-  train(args.out, args.restore) if args.mode == "train" else die()
+  if args.mode == "preempt":
+    jax.config.update("jax_enable_preemption_service", False)
+  # A long shutdown timeout: a crash must not wait for it (initialize skips the
+  # exit barrier after an uncaught exception).
+  zerojax.initialize(heartbeat_timeout=20, collective_timeout=60, shutdown_timeout=120)
+  train(args.out, args.restore) if args.mode == "train" else steps(args.mode)
 
 
 if __name__ == "__main__":

@@ -198,6 +198,8 @@ def test_a_damaged_checkpoint_raises_instead_of_restoring_part(tmp_path, damage)
   # later test.
   output, _ = run_worker("restore", tmp_path).communicate(timeout=120)
   assert "error: checkpoint step 1" in output and "could not be read in full" in output, output
+  # With nothing earlier to fall back to, it stays where it is (no resume from scratch).
+  assert sorted(os.listdir(tmp_path)) == ["1", "final.npz"]
 
 
 def test_a_checkpoint_without_its_layout_record_raises(tmp_path):

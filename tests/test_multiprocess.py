@@ -235,3 +235,100 @@ def test_train_lm_runs_as_two_processes_like_one(tmp_path):
   one = train_lm.main([*flags[1:], "--out", str(tmp_path / "1")])
   assert two["config"]["devices"] == one["config"]["devices"] == 8
   np.testing.assert_allclose(two["train_loss"], one["train_loss"], rtol=1e-6)
+
+
+def run_code(code: str, **options) -> tuple[int, str]:
+  """``launch`` of ``python -c code`` (2 processes unless told); the status and launcher output."""
+  err = io.StringIO()
+  options = {"num_processes": 2, **options}
+  status = launch.launch(
+    [sys.executable, "-c", code], stdout=io.StringIO(), stderr=err, timeout=60, **options
+  )
+  return status, err.getvalue()
+
+
+def test_launcher_gives_up_after_max_restarts_with_the_last_attempts_status():
+  code = "import os, sys; sys.exit(2 + int(os.environ['ZEROJAX_ATTEMPT']))"
+  status, err = run_code(code, max_restarts=2)
+  assert status == 5  # attempt 3's
+  for attempt, left in [(1, 2), (2, 1), (3, 0)]:
+    assert f"attempt {attempt}: started 2 process(es) (pids " in err
+    assert f"); {left} restart(s) after failures left." in err
+    assert f"exited with code {2 + attempt}; stopping" in err
+  assert "restarting after attempt 1 failed (restart 1 of --max-restarts 2)" in err
+  assert "restarting after attempt 2 failed (restart 2 of --max-restarts 2)" in err
+  assert "giving up: attempt 3 failed and all 2 restart(s) (--max-restarts 2) are used; " in err
+  assert "exit status 5." in err and "attempt 4" not in err
+
+
+def test_launcher_restarts_a_preempted_group_without_counting_it():
+  code = "import os, sys; sys.exit(75 if int(os.environ['ZEROJAX_ATTEMPT']) < 3 else 0)"
+  status, err = run_code(code, max_restarts=0)
+  assert status == 0
+  assert err.count("restarting. Preemptions do not count against --max-restarts.") == 2
+  assert "attempt 3: started 2 process(es)" in err and "0 restart(s) after failures left" in err
+
+
+def test_a_preempted_exit_beside_a_failure_is_a_failure():
+  code = "import os, sys, time; p = os.environ['ZEROJAX_PROCESS_ID']; "
+  code += "sys.exit(75) if p == '0' else (time.sleep(0.5), sys.exit(4))"
+  status, err = run_code(code, max_restarts=0)
+  assert status == 4
+  assert "process 0 (pid" in err and "exited with code 75 (preempted); waiting up to" in err
+  assert "process 1 (pid" in err and "exited with code 4" in err
+  assert "attempt 2" not in err
+
+
+def test_launcher_passes_sigterm_on_and_exits_preempted(tmp_path):
+  script = tmp_path / "save_on_sigterm.py"
+  script.write_text(
+    "import signal, sys, time\n"
+    "def stop(*_):\n"
+    "  print('saved', flush=True)\n"
+    "  sys.exit(75)\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+  )
+  launcher = subprocess.Popen(
+    [sys.executable, "-m", "zerojax.launch", "-n", "2", "--max-restarts", "3", str(script)],
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  assert sorted(launcher.stdout.readline() for _ in range(2)) == ["[p0] ready\n", "[p1] ready\n"]
+  launcher.send_signal(signal.SIGTERM)
+  stdout, stderr = launcher.communicate(timeout=30)
+  assert launcher.returncode == 75
+  assert sorted(stdout.splitlines()) == ["[p0] saved", "[p1] saved"]
+  assert "got SIGTERM; passing it on to all 2 processes so that they save" in stderr
+  assert "attempt 2" not in stderr
+
+
+def test_launcher_refuses_bad_restart_and_heartbeat_settings(capsys):
+  for flag, value in [("--max-restarts", "-1"), ("--heartbeat-timeout", "0")]:
+    with pytest.raises(SystemExit):
+      launch.main(["-n", "2", flag, value, "script.py"])
+    assert f"{flag} must be at least" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="max_restarts must be 0 or more, got -1"):
+    launch.launch(["true"], num_processes=1, max_restarts=-1)
+
+
+def test_a_process_that_raises_fails_the_job_at_once():
+  # The worker's shutdown timeout is 120 s: without initialize's exception hook,
+  # the raising process would wait that long at exit for the other one.
+  begin = time.monotonic()
+  done = run_launcher("-n", "2", "--devices-per-process", "4", WORKER, "raise", timeout=110)
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert "RuntimeError: injected fault at step 2" in done.stderr
+  assert "process 1 (pid" in done.stderr and "exited with code 1; stopping" in done.stderr
+  assert time.monotonic() - begin < 60
+
+
+def test_processes_agree_on_a_preemption_step_without_jax_preemption_service():
+  done = run_launcher("-n", "2", "--devices-per-process", "4", WORKER, "preempt", timeout=110)
+  assert done.returncode == 0, done.stderr[-3000:]
+  # Process 1 alone got SIGTERM, at step 3; both stopped after it.
+  assert "[p0] stopped after step 3" in done.stdout and "[p1] stopped after step 3" in done.stdout
+  assert "attempt 1 was preempted" in done.stderr and "attempt 2: started" in done.stderr

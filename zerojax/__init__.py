@@ -9,6 +9,7 @@ from zerojax._src.grad import value_and_grad
 from zerojax._src.hlo import Collective, count_collectives, count_collectives_by_axes
 from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
 from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
+from zerojax._src.preemption import PREEMPTED_EXIT_CODE, preemption_requested
 from zerojax._src.profile import StepProfile, profile
 from zerojax._src.zero import ZeroState, ZeroTransformation, zero1, zero2, zero3
 
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = (
   "DEFAULT_MIN_SHARD_SIZE",
+  "PREEMPTED_EXIT_CODE",
   "CheckpointManager",
   "Collective",
   "DynamicLossScale",
@@ -40,6 +42,7 @@ __all__ = (
   "global_batch",
   "initialize",
   "load_params",
+  "preemption_requested",
   "profile",
   "remat_policy",
   "train_state_spec",

@@ -14,6 +14,7 @@ on both sides, so this gives back the saved values exactly.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -21,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -204,8 +207,16 @@ def orbax_manager(directory: str | os.PathLike, **options: Any) -> ocp.Checkpoin
   )
 
 
+def step_directory(manager: ocp.CheckpointManager, step: int) -> epath.Path:
+  """Where ``manager`` keeps checkpoint ``step`` (Orbax's default step names: the number)."""
+  return epath.Path(manager.directory) / ocp.step.standard_name_format().build_name(step)
+
+
 def read_layout(manager: ocp.CheckpointManager, step: int | None) -> tuple[int, dict[str, Any]]:
   """The step (the latest if ``None``) and the layout recorded with it.
+
+  Read by this process alone: unlike ``manager.restore``, no barrier with the
+  other processes, so a process that fails here cannot leave them waiting.
 
   Raises:
     FileNotFoundError: if there is no such checkpoint, or it lacks its layout.
@@ -218,13 +229,13 @@ def read_layout(manager: ocp.CheckpointManager, step: int | None) -> tuple[int, 
       f"no checkpoint for step {step} in {manager.directory} (it has steps {sorted(steps)})."
     )
   try:
-    layout = manager.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))
+    layout = ocp.JsonCheckpointHandler().restore(step_directory(manager, step) / "layout")
   except (FileNotFoundError, ValueError) as error:
     raise FileNotFoundError(
       f"checkpoint step {step} in {manager.directory} has no readable layout "
       f"record ({error}); it is damaged: restore another step."
     ) from error
-  return step, layout["layout"]
+  return step, layout
 
 
 # Where a state's master parameters live: the parameters themselves (stage 3,
@@ -330,6 +341,17 @@ def _with(tree: Any, keys: tuple[str | int, ...], value: Any) -> Any:
   return type(tree)(items)
 
 
+# What a process made of a checkpoint it tried to restore.
+_READ, _DAMAGED, _MISFIT = 0, 1, 2
+
+
+def _on_every_process(value: int) -> np.ndarray:
+  """Every process's ``value``, in process order (a collective: every process must call it)."""
+  if jax.process_count() == 1:
+    return np.array([value])
+  return np.asarray(multihost_utils.process_allgather(np.int32(value))).ravel()
+
+
 class CheckpointManager:
   """Saves training states of one ``StateSpec`` and restores checkpoints into it.
 
@@ -399,6 +421,10 @@ class CheckpointManager:
       enable_async_checkpointing=async_save,
       cleanup_tmp_directories=True,
     )
+    # Restores read through this handler directly, without the manager's
+    # barrier between processes: a process whose read fails must not leave the
+    # others waiting there (see ``_read``).
+    self._reader = ocp.PyTreeCheckpointHandler()
 
   @property
   def directory(self) -> str:
@@ -432,7 +458,7 @@ class CheckpointManager:
     return self._manager.save(step, args=args, force=force)
 
   def restore(self, step: int | None = None) -> Any:
-    """The checkpoint of ``step`` (the latest by default), placed as ``spec.stored``.
+    """The checkpoint of ``step`` (by default the latest readable one), placed as ``spec.stored``.
 
     Where the spec keeps its master parameters elsewhere than the checkpoint
     (stages 1-2 under a lower compute dtype keep them in the optimizer state,
@@ -440,14 +466,81 @@ class CheckpointManager:
     spec's place for it, and compute-dtype parameters are rounded from it, as
     ``tx.shard`` would.
 
+    Without ``step``, a damaged latest checkpoint (a file missing or
+    truncated, its layout record unreadable: anything that stops it from being
+    read in full, on any process) does not stop a resume: the one before is
+    restored instead, and so on, and the damaged ones are renamed to
+    ``<step>.damaged`` (kept for a look, out of the way of new saves) with a
+    warning that says so. If none can be read, nothing is renamed and the
+    latest's error is raised. In a multi-process run every process reaches the
+    same verdict on every checkpoint (one tiny collective per checkpoint
+    tried).
+
     Raises:
-      FileNotFoundError: if there is no such checkpoint.
+      FileNotFoundError: if there is no such checkpoint (no checkpoint at all,
+        for the latest).
       ValueError: if its logical leaves differ from the spec's (naming every
-        path whose structure, shape or dtype differs), or its arrays cannot be
-        read in full.
+        path whose structure, shape or dtype differs), or it (for the latest:
+        every checkpoint) cannot be read in full.
     """
-    step, layout = read_layout(self._manager, step)
-    saved_master = tuple(layout["master_path"])
+    if step is not None:
+      state, error = self._read(step)
+      if error is not None:
+        raise error
+      return state
+    steps = self.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint for step None in {self.directory} (it has steps []).")
+    damaged = []
+    for candidate in reversed(steps):
+      state, error = self._read(candidate)
+      if error is None:
+        if damaged:
+          self._set_aside(damaged, candidate)
+        return state
+      damaged.append((candidate, error))
+    if len(steps) > 1:
+      raise ValueError(
+        f"{damaged[0][1]} None of the earlier checkpoints {steps[:-1]} could be read either."
+      ) from damaged[0][1]
+    raise damaged[0][1]
+
+  def _read(self, step: int) -> tuple[Any, Exception | None]:
+    """``(state, None)``, or ``(None, error)`` if ``step`` is damaged on any process.
+
+    Raises:
+      ValueError: if the checkpoint does not fit the spec (on any process).
+    """
+    state, problem, kind = None, None, _READ
+    try:
+      _, layout = read_layout(self._manager, step)
+      saved_master = tuple(layout["master_path"])
+    except FileNotFoundError as error:
+      problem, kind = error, _DAMAGED
+    else:
+      try:
+        self._check_fits(step, layout, saved_master)
+      except ValueError as error:
+        problem, kind = error, _MISFIT
+      else:
+        try:
+          state = self._read_arrays(step, saved_master)
+        except ValueError as error:
+          problem, kind = error, _DAMAGED
+    kinds = _on_every_process(kind)
+    verdict = next((k for k in (_MISFIT, _DAMAGED) if (kinds == k).any()), _READ)
+    if verdict != kind:
+      where = [int(p) for p in np.flatnonzero(kinds == verdict)]
+      what = "does not fit this manager's spec" if verdict == _MISFIT else "could not be read"
+      problem = ValueError(
+        f"checkpoint step {step} in {self.directory} {what} on process(es) {where}; their "
+        "errors say why."
+      )
+    if verdict == _MISFIT:
+      raise problem
+    return (None, problem) if verdict == _DAMAGED else (state, None)
+
+  def _check_fits(self, step: int, layout: dict[str, Any], saved_master: tuple) -> None:
     expected, found = _comparable(
       self._record["leaves"], self.spec.master_path, layout["leaves"], saved_master
     )
@@ -459,6 +552,9 @@ class CheckpointManager:
       "Restore with the model, optimizer and precision policy that were saved; "
       "the device count and stage may differ.",
     )
+
+  def _read_arrays(self, step: int, saved_master: tuple[str | int, ...]) -> Any:
+    """The state of checkpoint ``step``, read by this process alone (no barrier)."""
     item = _reading_plan(self.spec, saved_master)
     restore_args = jax.tree.map(
       lambda x: ocp.ArrayRestoreArgs(
@@ -470,7 +566,7 @@ class CheckpointManager:
       item=item, restore_args=restore_args, partial_restore=_separate(saved_master)
     )
     try:
-      state = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+      state = self._reader.restore(step_directory(self._manager, step) / "state", args=args)
     except Exception as error:
       # Orbax's message ends with the whole TensorStore spec; its start says what failed.
       reason = f"{type(error).__name__}: {error}"[:400]
@@ -481,6 +577,41 @@ class CheckpointManager:
     raise ValueError(
       f"checkpoint step {step} in {self.directory} could not be read in full "
       f"({reason} ...). It is damaged: restore another of {self.all_steps()}."
+    )
+
+  def _set_aside(self, damaged: list[tuple[int, Exception]], restored: int) -> None:
+    """Renames damaged checkpoints to ``<step>.damaged`` (process 0), and says so."""
+    moves = []
+    for step, _ in damaged:
+      source = step_directory(self._manager, step)
+      target, count = source.with_name(f"{source.name}.damaged"), 1
+      while target.exists():
+        count += 1
+        target = source.with_name(f"{source.name}.damaged{count}")
+      moves.append((source, target))
+    _on_every_process(0)  # everyone has named the targets before any is taken
+    failure = None
+    if jax.process_index() == 0:
+      try:
+        for source, target in moves:
+          source.rename(target)
+      except Exception as error:  # e.g. a file system without directory renames
+        failure = error
+    if _on_every_process(failure is not None)[0]:
+      raise ValueError(
+        f"checkpoint(s) {[step for step, _ in damaged]} in {self.directory} are damaged and "
+        f"could not be moved aside ({failure or 'see process 0'}): move or delete them by "
+        f"hand, then restore again; step {restored} is the latest that can be read."
+      )
+    self._manager.reload()
+    described = "; ".join(
+      f"step {step} ({str(error).splitlines()[0][:200]}) moved to {target}"
+      for (step, error), (_, target) in zip(damaged, moves, strict=True)
+    )
+    warnings.warn(
+      f"damaged checkpoint(s) in {self.directory}: {described}. Restored step {restored}, the "
+      "latest that can be read.",
+      stacklevel=3,
     )
 
   def latest_step(self) -> int | None:
@@ -498,6 +629,7 @@ class CheckpointManager:
   def close(self) -> None:
     """Waits for background saves and releases the manager."""
     self._manager.close()
+    self._reader.close()
 
   def __enter__(self) -> CheckpointManager:
     return self

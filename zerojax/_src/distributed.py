@@ -10,14 +10,17 @@ is needed (``gather_to_host``).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import sys
 import zlib
 from typing import Any
 
 import jax
 import numpy as np
 import optax
+from jax._src import api as jax_api
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -30,6 +33,9 @@ from zerojax._src.zero import ZeroTransformation
 COORDINATOR_ADDRESS = "ZEROJAX_COORDINATOR_ADDRESS"
 NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
 PROCESS_ID = "ZEROJAX_PROCESS_ID"
+#: Optional: the ``heartbeat_timeout`` (seconds) for ``initialize`` calls that do not pass one
+#: (``python -m zerojax.launch --heartbeat-timeout`` sets it).
+HEARTBEAT_TIMEOUT = "ZEROJAX_HEARTBEAT_TIMEOUT"
 
 #: Seconds a process waits for all others to join before failing.
 DEFAULT_INITIALIZATION_TIMEOUT = 300
@@ -52,7 +58,7 @@ def initialize(
   detect_cluster: bool = False,
   local_device_count: int | None = None,
   initialization_timeout: int = DEFAULT_INITIALIZATION_TIMEOUT,
-  heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT,
+  heartbeat_timeout: int | None = None,
   collective_timeout: int = DEFAULT_COLLECTIVE_TIMEOUT,
   shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT,
 ) -> bool:
@@ -67,11 +73,18 @@ def initialize(
   slice sets up.
 
   Every wait is bounded: joining fails after ``initialization_timeout``; a
-  process that dies is noticed after ``heartbeat_timeout`` and the JAX
-  distributed service then terminates every other process (instead of leaving
-  them in a collective); a CPU collective whose peer is alive but silent fails
-  after ``collective_timeout`` (``--xla_cpu_collective_timeout_seconds``; GPU
-  and TPU collectives have their own). CPU collectives use gloo over TCP.
+  process that dies or stops (SIGSTOP, a frozen host) is noticed after
+  ``heartbeat_timeout`` and the JAX distributed service then terminates every
+  other process (instead of leaving them in a collective); a CPU collective
+  whose peer is alive but silent fails after ``collective_timeout``
+  (``--xla_cpu_collective_timeout_seconds``; GPU and TPU collectives have their
+  own). CPU collectives use gloo over TCP.
+
+  A process that dies of an uncaught exception exits at once: JAX's exit-time
+  barrier, where it would otherwise wait up to ``shutdown_timeout`` for the
+  others (which wait for it in a collective), is skipped for it. A launcher
+  (``python -m zerojax.launch``, ``srun --kill-on-bad-exit``) then sees the
+  failure right away.
 
   Args:
     coordinator_address: ``host:port`` of process 0, where the coordination
@@ -83,7 +96,9 @@ def initialize(
     local_device_count: CPU only: how many devices this process fakes (as
       ``--xla_force_host_platform_device_count`` does).
     initialization_timeout: seconds to wait for every process to join.
-    heartbeat_timeout: seconds of silence after which a process counts as dead.
+    heartbeat_timeout: seconds of silence after which a process counts as dead;
+      ``None`` reads ``ZEROJAX_HEARTBEAT_TIMEOUT``, or takes
+      ``DEFAULT_HEARTBEAT_TIMEOUT``.
     collective_timeout: seconds a CPU collective waits for its peers. Applied
       through ``XLA_FLAGS`` unless that already sets it.
     shutdown_timeout: seconds a process waits at exit for the others.
@@ -93,7 +108,8 @@ def initialize(
 
   Raises:
     ValueError: if some but not all of the three are given (and
-      ``detect_cluster`` is off), or they are not valid numbers.
+      ``detect_cluster`` is off), or they (or ``ZEROJAX_HEARTBEAT_TIMEOUT``)
+      are not valid numbers.
 
   Example:
     >>> import os
@@ -118,6 +134,9 @@ def initialize(
       f"{', '.join(_ENV_NAMES[name] for name in missing)}), or pass detect_cluster=True "
       "under SLURM, Open MPI or on a Cloud TPU pod slice."
     )
+  heartbeat_timeout = _from_env(heartbeat_timeout, HEARTBEAT_TIMEOUT, int)
+  if heartbeat_timeout is None:
+    heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT
   if local_device_count is not None:
     jax.config.update("jax_num_cpu_devices", local_device_count)
   # Explicit, so that a multi-process CPU run never falls back to no collectives.
@@ -132,7 +151,29 @@ def initialize(
     heartbeat_timeout_seconds=heartbeat_timeout,
     shutdown_timeout_seconds=shutdown_timeout,
   )
+  _exit_at_once_on_uncaught_exceptions()
   return True
+
+
+def _exit_at_once_on_uncaught_exceptions() -> None:
+  """Makes a process that dies of an uncaught exception skip JAX's exit-time shutdown barrier.
+
+  At exit JAX disconnects from the distributed service, which waits up to the
+  shutdown timeout for every other process to disconnect too. The others are
+  waiting for this one in a collective, so a crash would otherwise take that
+  long to become an exit status. ``jax._src.api.clean_up`` is that exit hook;
+  if a later JAX moves it, crashes take the slow way again, nothing worse.
+  """
+  clean_up = getattr(jax_api, "clean_up", None)
+  if clean_up is None:
+    return
+  previous = sys.excepthook
+
+  def excepthook(*exc_info):
+    previous(*exc_info)
+    atexit.unregister(clean_up)
+
+  sys.excepthook = excepthook
 
 
 _ENV_NAMES = {

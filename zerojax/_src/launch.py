@@ -1,4 +1,4 @@
-"""A local launcher: N CPU processes of one script on loopback, stopped together when one dies.
+"""A local launcher: N CPU processes of one script on loopback, stopped together, restarted.
 
 For development and tests only: on a cluster, the cluster's own launcher
 (``srun``, ``gcloud ... --worker=all``) starts the processes and
@@ -18,10 +18,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
-from zerojax._src import distributed
+from zerojax._src import distributed, preemption
 
+#: Environment variable: which attempt this is, 1 for the first start, 2 after one restart, ...
+ATTEMPT = "ZEROJAX_ATTEMPT"
 #: Seconds between SIGTERM and SIGKILL when stopping processes.
 DEFAULT_GRACE_PERIOD = 5.0
 _POLL_SECONDS = 0.05
@@ -74,11 +76,13 @@ def describe_exit(returncode: int) -> str:
   """How a process ended, in words.
 
   Example:
-    >>> describe_exit(3), describe_exit(-9)
-    ('exited with code 3', 'was killed by signal SIGKILL')
+    >>> describe_exit(3), describe_exit(-9), describe_exit(75)
+    ('exited with code 3', 'was killed by signal SIGKILL', 'exited with code 75 (preempted)')
   """
   if returncode < 0:
     return f"was killed by signal {signal.Signals(-returncode).name}"
+  if returncode == preemption.PREEMPTED_EXIT_CODE:
+    return f"exited with code {returncode} (preempted)"
   return f"exited with code {returncode}"
 
 
@@ -90,11 +94,21 @@ class _InterruptError(Exception):
     self.signum = signum
 
 
+class _Outcome(NamedTuple):
+  """How an attempt ended: its exit status, and whether to restart (``"failed"``,
+  ``"preempted"``) or not (``"succeeded"``, ``"timed out"``)."""
+
+  status: int
+  kind: str
+
+
 def launch(
   command: Sequence[str],
   *,
   num_processes: int,
   devices_per_process: int | None = None,
+  max_restarts: int = 0,
+  heartbeat_timeout: int | None = None,
   timeout: float | None = None,
   grace_period: float = DEFAULT_GRACE_PERIOD,
   stdout: TextIO | None = None,
@@ -104,11 +118,24 @@ def launch(
 
   Each process gets ``ZEROJAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free
   port), ``ZEROJAX_NUM_PROCESSES`` and ``ZEROJAX_PROCESS_ID``, which
-  ``initialize`` reads, and ``JAX_PLATFORMS=cpu`` with
-  ``devices_per_process`` CPU devices. Their output is streamed line by line,
-  each line prefixed with ``[p<id>] ``. As soon as one process fails (non-zero
-  exit or a signal), or ``timeout`` passes, or the launcher is interrupted, the
-  others get SIGTERM and, ``grace_period`` seconds later, SIGKILL.
+  ``initialize`` reads, ``ZEROJAX_ATTEMPT`` (1, then 2 after the first
+  restart, ...), and ``JAX_PLATFORMS=cpu`` with ``devices_per_process`` CPU
+  devices. Their output is streamed line by line, each line prefixed with
+  ``[p<id>] ``. As soon as one process fails (non-zero exit or a signal), or
+  ``timeout`` passes, or the launcher is interrupted, the others get SIGTERM
+  (and SIGCONT, in case they are stopped) and, ``grace_period`` seconds later,
+  SIGKILL.
+
+  Restarts: after a failure the whole group is started again with the same
+  command, up to ``max_restarts`` times; the script resumes from its latest
+  checkpoint. A process that exits with ``zerojax.PREEMPTED_EXIT_CODE`` (75)
+  was preempted and saved: the others get ``grace_period`` seconds to do the
+  same, and if they all do, the group is restarted without counting against
+  ``max_restarts`` (a preemption is not a fault of the job, and on preemptible
+  capacity it is routine). If the launcher itself gets SIGTERM, it passes it
+  on, so that the processes save and exit, and exits with 75 without
+  restarting: the machine is going away; whoever restarts the launcher
+  resumes the job.
 
   Args:
     command: the program and its arguments, e.g. ``[sys.executable, "train.py"]``.
@@ -116,16 +143,28 @@ def launch(
     devices_per_process: CPU devices each process fakes
       (``--xla_force_host_platform_device_count``); ``None`` keeps the
       inherited ``XLA_FLAGS``.
-    timeout: seconds after which every process is stopped; ``None`` waits.
-    grace_period: seconds between SIGTERM and SIGKILL.
+    max_restarts: how many times to restart the group after a failure.
+    heartbeat_timeout: seconds after which the JAX distributed service
+      declares a silent process (dead, stopped, frozen) gone and ends the
+      others, which is a failure; passed to ``initialize`` as
+      ``ZEROJAX_HEARTBEAT_TIMEOUT``. ``None``: ``initialize``'s default (60).
+    timeout: seconds after which every process is stopped, whatever attempt is
+      running, and nothing is restarted; ``None`` waits.
+    grace_period: seconds between SIGTERM and SIGKILL; also how long the
+      others may take to finish saving after one process exits preempted.
     stdout: where the processes' prefixed stdout goes (``sys.stdout``).
     stderr: where their prefixed stderr and the launcher's messages go
       (``sys.stderr``).
 
   Returns:
-    0 if every process exited with 0; otherwise the first failure's exit code
-    (128 + the signal number if it was killed), 124 on timeout, 130 on an
-    interrupt.
+    The last attempt's status: 0 if every process exited with 0; otherwise
+    the first failure's exit code (128 + the signal number if it was killed),
+    124 on timeout, 130 on an interrupt (SIGINT), 75 if the launcher got
+    SIGTERM.
+
+  Raises:
+    ValueError: if ``num_processes`` or ``heartbeat_timeout`` is below 1, or
+      ``max_restarts`` below 0.
 
   Example:
     >>> import io, sys
@@ -135,79 +174,205 @@ def launch(
     0
     >>> sorted(out.getvalue().splitlines())
     ['[p0] hello from 0', '[p1] hello from 1']
+
+    A process that fails on the first attempt only:
+
+    >>> code = "import os, sys; sys.exit(3 if os.environ['ZEROJAX_ATTEMPT'] == '1' else 0)"
+    >>> launch([sys.executable, "-c", code], num_processes=2, max_restarts=2, stderr=err)
+    0
+    >>> "restarting after attempt 1 failed (restart 1 of --max-restarts 2)" in err.getvalue()
+    True
   """
   if num_processes < 1:
     raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
+  if max_restarts < 0:
+    raise ValueError(f"max_restarts must be 0 or more, got {max_restarts}.")
+  if heartbeat_timeout is not None and heartbeat_timeout < 1:
+    raise ValueError(f"heartbeat_timeout must be at least 1 second, got {heartbeat_timeout}.")
   stdout = stdout or sys.stdout
   stderr = stderr or sys.stderr
-  coordinator = f"127.0.0.1:{free_port()}"
   lock = threading.Lock()
-  processes, readers = [], []
-  for process_id in range(num_processes):
-    env = process_env(
-      dict(os.environ),
-      process_id=process_id,
-      num_processes=num_processes,
-      coordinator_address=coordinator,
-      devices_per_process=devices_per_process,
-    )
-    # Own session: a Ctrl-C in the terminal reaches the launcher only, which
-    # forwards it, and stopping a session also stops what the process started.
-    process = subprocess.Popen(
-      command,
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      start_new_session=True,
-      text=True,
-      errors="replace",
-    )
-    processes.append(process)
-    for pipe, sink in ((process.stdout, stdout), (process.stderr, stderr)):
-      reader = threading.Thread(target=_stream, args=(pipe, sink, f"[p{process_id}] ", lock))
-      reader.start()
-      readers.append(reader)
 
   def say(message: str) -> None:
     with lock:
       print(f"zerojax.launch: {message}", file=stderr, flush=True)
 
+  deadline = None if timeout is None else time.monotonic() + timeout
+  base_env = dict(os.environ)
+  if heartbeat_timeout is not None:
+    base_env[distributed.HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
+  restarts, attempt = 0, 0
   with _signals_raise():
-    try:
-      status = _wait(processes, timeout, grace_period, say)
-    except _InterruptError as interrupted:
-      name = signal.Signals(interrupted.signum).name
-      say(f"got {name}; stopping all {num_processes} processes.")
-      _stop(processes, grace_period, first=signal.SIGINT)
-      status = 130
-  for reader in readers:
-    reader.join(timeout=grace_period)
-  return status
+    while True:
+      attempt += 1
+      group = _Group(command, {**base_env, ATTEMPT: str(attempt)}, stdout, stderr, lock)
+      try:
+        group.start(num_processes, devices_per_process)
+        left = max_restarts - restarts
+        say(
+          f"attempt {attempt}: started {num_processes} process(es) (pids "
+          f"{', '.join(str(p.pid) for p in group.processes)}); "
+          f"{left} restart(s) after failures left."
+        )
+        outcome = _wait(group.processes, deadline, timeout, grace_period, say)
+        group.join(grace_period)
+        if outcome.kind == "preempted":
+          say(
+            f"attempt {attempt} was preempted (its processes saved and exited with "
+            f"{preemption.PREEMPTED_EXIT_CODE}); restarting. Preemptions do not count against "
+            "--max-restarts."
+          )
+          continue
+        if outcome.kind == "failed" and left:
+          restarts += 1
+          say(
+            f"restarting after attempt {attempt} failed (restart {restarts} of "
+            f"--max-restarts {max_restarts})."
+          )
+          continue
+        if outcome.kind == "failed" and max_restarts:
+          say(
+            f"giving up: attempt {attempt} failed and all {max_restarts} restart(s) "
+            f"(--max-restarts {max_restarts}) are used; exit status {outcome.status}."
+          )
+        return outcome.status
+      except _InterruptError as interrupted:
+        status = _interrupted(group.processes, interrupted.signum, grace_period, say)
+        group.join(grace_period)
+        return status
+
+
+class _Group:
+  """One attempt's processes, and the threads that stream their prefixed output."""
+
+  def __init__(self, command, env, stdout, stderr, lock):
+    self.command, self.env, self.sinks, self.lock = command, env, (stdout, stderr), lock
+    self.processes: list[subprocess.Popen] = []
+    self._readers: list[threading.Thread] = []
+
+  def start(self, num_processes: int, devices_per_process: int | None) -> None:
+    coordinator = f"127.0.0.1:{free_port()}"  # a fresh one: the last may linger in TIME_WAIT
+    for process_id in range(num_processes):
+      env = process_env(
+        self.env,
+        process_id=process_id,
+        num_processes=num_processes,
+        coordinator_address=coordinator,
+        devices_per_process=devices_per_process,
+      )
+      # Own session: a Ctrl-C in the terminal reaches the launcher only, which
+      # forwards it, and stopping a session also stops what the process started.
+      process = subprocess.Popen(
+        self.command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+      )
+      self.processes.append(process)
+      for pipe, sink in zip((process.stdout, process.stderr), self.sinks, strict=True):
+        prefix = f"[p{process_id}] "
+        reader = threading.Thread(target=_stream, args=(pipe, sink, prefix, self.lock))
+        reader.start()
+        self._readers.append(reader)
+
+  def join(self, timeout: float) -> None:
+    for reader in self._readers:
+      reader.join(timeout=timeout)
+
+
+def _interrupted(processes: list[subprocess.Popen], signum: int, grace_period: float, say) -> int:
+  """Stops ``processes`` after the launcher got ``signum``; the launcher's exit status."""
+  name = signal.Signals(signum).name
+  count = len(processes)
+  if signum == signal.SIGTERM:
+    say(
+      f"got SIGTERM; passing it on to all {count} processes so that they save, and exiting "
+      f"with {preemption.PREEMPTED_EXIT_CODE} (preempted: restart me) without restarting."
+    )
+    _stop(processes, grace_period, first=signal.SIGTERM)
+    return preemption.PREEMPTED_EXIT_CODE
+  say(f"got {name}; stopping all {count} processes.")
+  _stop(processes, grace_period, first=signal.SIGINT)
+  return 130
 
 
 def _wait(
-  processes: list[subprocess.Popen], timeout: float | None, grace_period: float, say
-) -> int:
-  """Waits for every process to succeed, or for the first failure; returns the exit status."""
-  deadline = None if timeout is None else time.monotonic() + timeout
+  processes: list[subprocess.Popen],
+  deadline: float | None,
+  timeout: float | None,
+  grace_period: float,
+  say,
+) -> _Outcome:
+  """Waits for every process to succeed, or for the first failure, preemption or the deadline."""
   while True:
     codes = [process.poll() for process in processes]
     for process_id, code in enumerate(codes):
       if code:
-        others = [p for p, c in zip(processes, codes, strict=True) if c is None]
-        say(
-          f"process {process_id} (pid {processes[process_id].pid}) {describe_exit(code)}; "
-          f"stopping the {len(others)} other running process(es)."
-        )
-        _stop(others, grace_period)
-        return code if code > 0 else 128 - code
+        if code == preemption.PREEMPTED_EXIT_CODE:
+          return _preempted(processes, process_id, grace_period, say)
+        _report(processes, codes, process_id, say)
+        _stop([p for p, c in zip(processes, codes, strict=True) if c is None], grace_period)
+        return _Outcome(_status(code), "failed")
     if all(code == 0 for code in codes):
-      return 0
+      return _Outcome(0, "succeeded")
     if deadline is not None and time.monotonic() > deadline:
       say(f"timed out after {timeout:g} s; stopping all {len(processes)} processes.")
       _stop(processes, grace_period)
-      return 124
+      return _Outcome(124, "timed out")
     time.sleep(_POLL_SECONDS)
+
+
+def _preempted(processes: list[subprocess.Popen], first: int, grace_period: float, say) -> _Outcome:
+  """After process ``first`` exited preempted: do the others follow within the grace period?"""
+  say(
+    f"process {first} (pid {processes[first].pid}) {describe_exit(processes[first].returncode)}; "
+    f"waiting up to {grace_period:g} s for the others to save and exit too."
+  )
+  deadline = time.monotonic() + grace_period
+  while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+    time.sleep(_POLL_SECONDS)
+  codes = [process.poll() for process in processes]
+  expected = (0, preemption.PREEMPTED_EXIT_CODE)
+  for process_id, code in enumerate(codes):
+    if code not in expected:
+      if code is None:
+        say(f"process {process_id} (pid {processes[process_id].pid}) did not exit in time.")
+      else:
+        _report(processes, codes, process_id, say)
+      _stop([p for p, c in zip(processes, codes, strict=True) if c is None], grace_period)
+      return _Outcome(_status(code or preemption.PREEMPTED_EXIT_CODE), "failed")
+  return _Outcome(preemption.PREEMPTED_EXIT_CODE, "preempted")
+
+
+def _report(processes: list[subprocess.Popen], codes: list, failed: int, say) -> None:
+  """Says which process failed and how, and which of those still running are stopped."""
+  running = [p for p, c in enumerate(codes) if c is None]
+  stopped = [p for p in running if _is_stopped(processes[p].pid)]
+  note = "".join(
+    f"; process {p} (pid {processes[p].pid}) is stopped (SIGSTOP or SIGTSTP)" for p in stopped
+  )
+  say(
+    f"process {failed} (pid {processes[failed].pid}) {describe_exit(codes[failed])}{note}; "
+    f"stopping the {len(running)} other running process(es)."
+  )
+
+
+def _status(returncode: int) -> int:
+  """A process's return code as a shell exit status (128 + N for signal N)."""
+  return returncode if returncode > 0 else 128 - returncode
+
+
+def _is_stopped(pid: int) -> bool:
+  """Whether ``pid`` is stopped by a signal (Linux ``/proc``; ``False`` where there is none)."""
+  try:
+    with open(f"/proc/{pid}/stat") as stat:
+      # "pid (command name) state ...": the name may hold spaces and parentheses.
+      return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+  except (OSError, IndexError):
+    return False
 
 
 def _stop(
@@ -216,6 +381,7 @@ def _stop(
   """Sends ``first`` to each process's session, then SIGKILL to what is left after the grace."""
   for process in processes:
     _signal_session(process, first)
+    _signal_session(process, signal.SIGCONT)  # a stopped process acts on ``first`` only once woken
   deadline = time.monotonic() + grace_period
   for process in processes:
     try:
@@ -241,11 +407,18 @@ def _stream(pipe: TextIO, sink: TextIO, prefix: str, lock: threading.Lock) -> No
 
 @contextlib.contextmanager
 def _signals_raise():
-  """Within the block, SIGINT and SIGTERM raise ``_InterruptError`` (main thread only)."""
+  """Within the block, SIGINT and SIGTERM raise ``_InterruptError`` (main thread only).
+
+  Only the first one raises: the processes are being stopped by then, and a second
+  signal must not interrupt that half way.
+  """
+  raised = []
 
   def interrupt(signum, frame):
     del frame
-    raise _InterruptError(signum)
+    if not raised:
+      raised.append(signum)
+      raise _InterruptError(signum)
 
   previous = {}
   if threading.current_thread() is threading.main_thread():
@@ -271,8 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog="python -m zerojax.launch",
     description="Run N processes of a Python script as one multi-process JAX job on this "
     "machine (CPU devices, loopback, gloo collectives). Every output line is prefixed with "
-    "[p<process id>]; if any process fails, the others are stopped and the exit status is "
-    "non-zero.",
+    "[p<process id>]; if any process fails, the others are stopped and, with --max-restarts, "
+    "the whole group is started again; the exit status is the last attempt's.",
   )
   parser.add_argument("-n", "--num-processes", type=int, required=True)
   parser.add_argument(
@@ -282,7 +455,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     help="CPU devices per process (default: whatever XLA_FLAGS already gives)",
   )
   parser.add_argument(
-    "--timeout", type=float, default=None, help="stop everything after this many seconds"
+    "--max-restarts",
+    type=int,
+    default=0,
+    help="restart the whole group after a failure up to this many times (default %(default)s); "
+    f"a group whose processes exit with {preemption.PREEMPTED_EXIT_CODE} (preempted, after "
+    "saving) is restarted without counting",
+  )
+  parser.add_argument(
+    "--heartbeat-timeout",
+    type=int,
+    default=None,
+    help="seconds after which a silent process (dead, stopped, frozen) counts as gone, which "
+    "fails the attempt (sets ZEROJAX_HEARTBEAT_TIMEOUT for zerojax.initialize; default 60)",
+  )
+  parser.add_argument(
+    "--timeout",
+    type=float,
+    default=None,
+    help="stop everything after this many seconds, whatever attempt is running (exit 124)",
   )
   parser.add_argument(
     "--grace-period",
@@ -293,12 +484,19 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("script", help="the Python script every process runs")
   parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
   args = parser.parse_args(argv)
-  if args.num_processes < 1:
-    parser.error(f"--num-processes must be at least 1, got {args.num_processes}")
+  for flag, value, least in [
+    ("--num-processes", args.num_processes, 1),
+    ("--max-restarts", args.max_restarts, 0),
+    ("--heartbeat-timeout", args.heartbeat_timeout, 1),
+  ]:
+    if value is not None and value < least:
+      parser.error(f"{flag} must be at least {least}, got {value}")
   return launch(
     [sys.executable, args.script, *args.args],
     num_processes=args.num_processes,
     devices_per_process=args.devices_per_process,
+    max_restarts=args.max_restarts,
+    heartbeat_timeout=args.heartbeat_timeout,
     timeout=args.timeout,
     grace_period=args.grace_period,
   )
