@@ -22,6 +22,7 @@ sharding is real. Usage::
   python examples/train_lm.py --model medium --devices 8      # on 8 accelerators
   python examples/train_lm.py --mesh replica=2,data=4         # hybrid sharding (HSDP)
   python examples/train_lm.py --mesh data=4,model=2           # with tensor parallelism
+  python examples/train_lm.py --quantized-weights int8 --quantized-gradients int8  # ZeRO++
   python examples/train_lm.py --checkpoint-dir ckpt --resume  # save every 100 steps; resume
   python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py  # 2 processes
   python -m zerojax.launch -n 2 --devices-per-process 4 --max-restarts 3 \
@@ -125,6 +126,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="compute dtype; master weights, optimizer state and gradient reductions stay fp32, "
     "and fp16 adds dynamic loss scaling (stages 1-3)",
   )
+  for what, stages in (("weights", "stage 3"), ("gradients", "stages 1-3")):
+    parser.add_argument(
+      f"--quantized-{what}",
+      choices=("int8", "int4"),
+      help=f"move the {what[:-1]} {'all-gathers' if what == 'weights' else 'reductions'} as "
+      f"block-quantized integers, as ZeRO++ does ({stages})",
+    )
   parser.add_argument(
     "--microbatches",
     type=int,
@@ -152,8 +160,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   for name in ("steps", "batch_size", "seq_len", "lr"):
     if getattr(args, name) is None:
       setattr(args, name, getattr(preset, name))
-  if args.stage == 0 and (args.precision != "fp32" or args.microbatches != 1):
-    parser.error("--precision and --microbatches apply to stages 1-3 (zerojax)")
+  if args.stage == 0 and (
+    args.precision != "fp32" or args.microbatches != 1 or args.quantized_gradients
+  ):
+    parser.error(
+      "--precision, --microbatches and --quantized-gradients apply to stages 1-3 (zerojax)"
+    )
+  if args.stage != 3 and args.quantized_weights:
+    parser.error("--quantized-weights applies to stage 3, the one that gathers weights")
   if args.stage == 0 and args.mesh and set(args.mesh) != {"data"}:
     parser.error("--stage 0 is plain data parallelism over --devices; --mesh is for stages 1-3")
   if args.stage == 0 and args.checkpoint_dir:
@@ -240,13 +254,14 @@ def make_setup(
   mesh: jax.sharding.Mesh,
   optimizer: optax.GradientTransformation,
   loss: Callable,
-  precision: str = "fp32",
   microbatches: int = 1,
+  **options: Any,
 ) -> Setup:
   """The ``Setup`` of ``stage``: ZeRO 1-3 through zerojax, or 0 for replicated data parallelism.
 
   The parameters ``place`` and ``init`` take are full, and placed on the mesh's
-  tensor-parallel axis if it has one (``place_on_model_axis``).
+  tensor-parallel axis if it has one (``place_on_model_axis``). ``options``
+  (``precision``, ``quantized_weights``, ...) go to ``zerojax.zero{stage}``.
   """
   if stage == 0:
     plain_grad_fn = jax.value_and_grad(loss)
@@ -260,7 +275,7 @@ def make_setup(
       mesh=mesh,
       axis_name="data",
       replica_axis="replica" if "replica" in mesh.axis_names else None,
-      precision=precision,
+      **options,
     )
     grad_fn = zerojax.value_and_grad(loss, tx, microbatches=microbatches)
     # Jitted here so that repeated calls (every evaluation) reuse one compilation.
@@ -283,6 +298,12 @@ def place_on_model_axis(params: Any, mesh: jax.sharding.Mesh) -> Any:
     specs = jax.tree.map(lambda _: P(), params)
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
   return jax.device_put(params, shardings)
+
+
+def _quantization(quantized: dict[str, str | None]) -> str:
+  """`` with int8 weights, int8 gradients`` on the wire, or nothing."""
+  parts = [f"{bits} {name.split('_')[1]}" for name, bits in quantized.items() if bits]
+  return f" with {', '.join(parts)} on the wire" if parts else ""
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -355,7 +376,11 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   model = lm_model.make_model(preset, args.seq_len)
   loss = functools.partial(lm_model.loss_fn, model=model)
   optimizer = make_optimizer(args.lr, args.steps)
-  setup = make_setup(args.stage, mesh, optimizer, loss, args.precision, args.microbatches)
+  quantized = dict(
+    quantized_weights=args.quantized_weights, quantized_gradients=args.quantized_gradients
+  )
+  options = dict(precision=args.precision, **quantized) if args.stage else {}
+  setup = make_setup(args.stage, mesh, optimizer, loss, args.microbatches, **options)
   platform = jax.devices()[0].platform
   initial = place_on_model_axis(lm_model.init_params(model, args.seed), mesh)
   n_params = sum(x.size for x in jax.tree.leaves(initial))
@@ -388,7 +413,8 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   say(
     f"{args.model} model: {n_params / 1e6:.2f}M params, stage {args.stage} on {args.devices} "
     f"{platform} devices{layout} in {_count(jax.process_count(), 'process', 'processes')}, "
-    f"{args.precision} precision, {_count(args.microbatches, 'micro-batch', 'micro-batches')}; "
+    f"{args.precision} precision{_quantization(quantized)}, "
+    f"{_count(args.microbatches, 'micro-batch', 'micro-batches')}; "
     f"{len(corpus.train) / 1e6:.2f}M train bytes, "
     f"{len(corpus.val) / 1e3:.0f}K validation bytes"
   )

@@ -11,6 +11,7 @@ from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, defa
 from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
 from zerojax._src.preemption import PREEMPTED_EXIT_CODE, preemption_requested
 from zerojax._src.profile import StepProfile, profile
+from zerojax._src.quantize import Quantization
 from zerojax._src.zero import ZeroState, ZeroTransformation, zero1, zero2, zero3
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = (
   "LossScaleState",
   "MemoryEstimate",
   "Precision",
+  "Quantization",
   "Shard",
   "StateSpec",
   "StepProfile",

@@ -13,7 +13,10 @@ the full array:
 
 Both cast on the way: the weight to the compute dtype before the all-gather
 (so a bfloat16 policy moves half the bytes), the cotangent to the reduce dtype
-before the reduce-scatter, and the result to the master dtype.
+before the reduce-scatter, and the result to the master dtype. With
+quantization (``quantized_weights``, ``quantized_gradients``) the all-gather
+moves block-quantized integers instead, and the reduce-scatter becomes an
+all-to-all of quantized chunks summed in float32 (see ``quantize.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from zerojax._src import quantize
 
 #: ``jax.checkpoint_name`` of every array ``gather`` returns.
 GATHERED = "zerojax_gathered"
@@ -47,7 +52,7 @@ def remat_policy(primitive, *_, **params) -> bool:
   name = primitive.name
   if name.startswith("all_gather") or name == "slice":
     return False
-  if name == "custom_vjp_call" and _only_reads(params["call_jaxpr"]):
+  if name == "custom_vjp_call" and _reads(params["call_jaxpr"]):
     return False
   return not (name == "name" and params.get("name") == GATHERED)
 
@@ -56,8 +61,10 @@ def remat_policy(primitive, *_, **params) -> bool:
 _READS = frozenset({"pvary", "pcast", "convert_element_type", "bitcast_convert_type", "all_gather"})
 
 
-def _only_reads(closed_jaxpr) -> bool:
-  return all(eqn.primitive.name in _READS for eqn in closed_jaxpr.jaxpr.eqns)
+def _reads(closed_jaxpr) -> bool:
+  """Whether a custom VJP's forward pass reads a parameter: casts it, or gathers it."""
+  names = [eqn.primitive.name for eqn in closed_jaxpr.jaxpr.eqns]
+  return "all_gather" in names or all(name in _READS for name in names)
 
 
 @jax.tree_util.register_dataclass
@@ -84,6 +91,10 @@ class Shard:
     replica_axes: the other axes the batch is split over (hybrid sharding).
       The gradient is reduce-scattered over ``axis_name`` only and left
       varying over these, for ``value_and_grad`` to sum once per step.
+    quantized_weights: stage 3: how the all-gather quantizes the weight
+      (``None``: it moves the compute dtype).
+    quantized_gradients: how the reduce-scatter quantizes the gradient
+      (``None``: it moves the reduce dtype).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zerojax
@@ -104,6 +115,12 @@ class Shard:
   compute_dtype: Any = dataclasses.field(default=None, metadata=dict(static=True))
   reduce_dtype: Any = dataclasses.field(default=None, metadata=dict(static=True))
   replica_axes: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+  quantized_weights: quantize.Quantization | None = dataclasses.field(
+    default=None, metadata=dict(static=True)
+  )
+  quantized_gradients: quantize.Quantization | None = dataclasses.field(
+    default=None, metadata=dict(static=True)
+  )
 
   def __jax_array__(self):
     raise TypeError(
@@ -143,38 +160,54 @@ def _gather(shard: Shard) -> jax.Array:
   if shard.sink is None:
     axis = shard.value.ndim + shard.dim
     compute = shard.compute_dtype or shard.value.dtype
-    dtypes = _Dtypes(compute, shard.reduce_dtype, shard.value.dtype)
-    full = _all_gather(shard.value, axis, shard.axis_name, dtypes)
+    wire = _Wire(
+      compute,
+      shard.reduce_dtype,
+      shard.value.dtype,
+      shard.quantized_weights,
+      shard.quantized_gradients,
+    )
+    full = _all_gather(shard.value, axis, shard.axis_name, wire)
     full = jax.lax.slice_in_dim(full, 0, shard.size, axis=axis)
   else:
     # Stage 2 stores the replicated copy in the compute dtype already.
-    dtypes = _Dtypes(shard.value.dtype, shard.reduce_dtype, shard.sink.dtype)
+    wire = _Wire(
+      shard.value.dtype, shard.reduce_dtype, shard.sink.dtype, None, shard.quantized_gradients
+    )
     # The gradient's padded size: a dimension shared with other mesh axes may
     # be padded to more than a multiple of the data shards.
     padded = shard.sink.shape[shard.sink.ndim + shard.dim] * jax.lax.axis_size(shard.axis_name)
     place = _Placement(shard.dim, padded, shard.axis_name, shard.replica_axes)
-    full = _read_whole(shard.value, shard.sink, place, dtypes)
+    full = _read_whole(shard.value, shard.sink, place, wire)
   return checkpoint_name(full, GATHERED)
 
 
-class _Dtypes(NamedTuple):
-  """The casts of one gather: forward to ``compute``; backward to ``reduce``, then ``grad``."""
+class _Wire(NamedTuple):
+  """How one gather's collectives move data.
+
+  Forward: cast to ``compute`` (or quantize as ``weights``); backward: cast to
+  ``reduce`` (and quantize as ``gradients``), then to ``grad``.
+  """
 
   compute: Any
   reduce: Any
   grad: Any
+  weights: quantize.Quantization | None
+  gradients: quantize.Quantization | None
 
   def for_reduction(self, cotangent: jax.Array) -> jax.Array:
     return cotangent.astype(self.reduce or cotangent.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _all_gather(value, axis, axis_name, dtypes):
+def _all_gather(value, axis, axis_name, wire):
   """A tiled all-gather in the compute dtype whose backward pass reduce-scatters."""
-  if value.dtype == dtypes.compute:
+  if wire.weights is not None:
+    return quantize.all_gather(value, axis_name, axis, wire.weights, wire.compute)
+  if value.dtype == wire.compute:
     return jax.lax.all_gather(value, axis_name, axis=axis, tiled=True)
-  bits = as_bits(value.astype(dtypes.compute))
-  return from_bits(jax.lax.all_gather(bits, axis_name, axis=axis, tiled=True), dtypes.compute)
+  bits = as_bits(value.astype(wire.compute))
+  return from_bits(jax.lax.all_gather(bits, axis_name, axis=axis, tiled=True), wire.compute)
 
 
 def as_bits(x: jax.Array) -> jax.Array:
@@ -192,25 +225,44 @@ def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _all_gather_fwd(value, axis, axis_name, dtypes):
-  return _all_gather(value, axis, axis_name, dtypes), None
+def _all_gather_fwd(value, axis, axis_name, wire):
+  return _all_gather(value, axis, axis_name, wire), None
 
 
-def _all_gather_bwd(axis, axis_name, dtypes, residuals, cotangent):
+def _all_gather_bwd(axis, axis_name, wire, residuals, cotangent):
   del residuals
-  cotangent = dtypes.for_reduction(cotangent)
-  grad = jax.lax.psum_scatter(cotangent, axis_name, scatter_dimension=axis, tiled=True)
-  return (grad.astype(dtypes.grad),)
+  grad = reduce_scatter(wire.for_reduction(cotangent), axis_name, axis, wire.gradients)
+  return (grad.astype(wire.grad),)
 
 
 _all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
-def scatter(x: jax.Array, dim: int, axis_name: Any, size: int | None = None) -> jax.Array:
+def reduce_scatter(
+  x: jax.Array, axis_name: Any, axis: int, quantization: quantize.Quantization | None = None
+) -> jax.Array:
+  """A tiled ``psum_scatter`` along ``axis``; with ``quantization``, ZeRO++'s quantized one.
+
+  The quantized reduction sums in float32 (or ``x``'s dtype, if wider).
+  """
+  if quantization is None:
+    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
+  dtype = jnp.promote_types(x.dtype, jnp.float32)
+  return quantize.reduce_scatter(x, axis_name, axis, quantization, dtype)
+
+
+def scatter(
+  x: jax.Array,
+  dim: int,
+  axis_name: Any,
+  size: int | None = None,
+  quantization: quantize.Quantization | None = None,
+) -> jax.Array:
   """Reduce-scatters a full per-device array into this device's padded shard (a sum).
 
   ``dim`` is zero-padded to ``size`` first (by default, to the next multiple of
-  the number of shards).
+  the number of shards). With ``quantization`` the chunks move block-quantized
+  (see ``reduce_scatter``).
 
   An array of stacked layers whose sharded dimension is not its first is
   reduce-scattered one layer at a time: a collective over a dimension other
@@ -219,7 +271,7 @@ def scatter(x: jax.Array, dim: int, axis_name: Any, size: int | None = None) -> 
   """
   axis = x.ndim + dim
   if axis > 0 and x.ndim > 2:
-    return jax.lax.map(lambda layer: scatter(layer, dim, axis_name, size), x)
+    return jax.lax.map(lambda layer: scatter(layer, dim, axis_name, size, quantization), x)
   if size is None:
     size = -(-x.shape[axis] // jax.lax.axis_size(axis_name)) * jax.lax.axis_size(axis_name)
   padding = size - x.shape[axis]
@@ -227,7 +279,7 @@ def scatter(x: jax.Array, dim: int, axis_name: Any, size: int | None = None) -> 
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, padding)
     x = jnp.pad(x, widths)
-  return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
+  return reduce_scatter(x, axis_name, axis, quantization)
 
 
 class _Placement(NamedTuple):
@@ -240,25 +292,26 @@ class _Placement(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _read_whole(value, sink, place, dtypes):
+def _read_whole(value, sink, place, wire):
   """Reads a replicated parameter; its gradient goes, reduce-scattered, to ``sink``."""
-  del sink, dtypes
+  del sink, wire
   # Varying, so that the cotangent reaching the backward pass is this device's
   # own, not one JAX has already all-reduced (over replicas either).
   data = (place.axis_name,) if isinstance(place.axis_name, str) else tuple(place.axis_name)
   return jax.lax.pcast(value, (*data, *place.replica_axes), to="varying")
 
 
-def _read_whole_fwd(value, sink, place, dtypes):
-  return _read_whole(value, sink, place, dtypes), None
+def _read_whole_fwd(value, sink, place, wire):
+  return _read_whole(value, sink, place, wire), None
 
 
-def _read_whole_bwd(place, dtypes, residuals, cotangent):
+def _read_whole_bwd(place, wire, residuals, cotangent):
   del residuals
   # The stored replicated copy is already in the compute dtype (the master copy
   # lives elsewhere), so the cotangent's shape and dtype are the value's.
-  grad = scatter(dtypes.for_reduction(cotangent), place.dim, place.axis_name, place.padded)
-  return jnp.zeros(cotangent.shape, cotangent.dtype), grad.astype(dtypes.grad)
+  reduced = wire.for_reduction(cotangent)
+  grad = scatter(reduced, place.dim, place.axis_name, place.padded, wire.gradients)
+  return jnp.zeros(cotangent.shape, cotangent.dtype), grad.astype(wire.grad)
 
 
 _read_whole.defvjp(_read_whole_fwd, _read_whole_bwd)

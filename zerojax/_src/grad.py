@@ -241,6 +241,8 @@ def _for_loss(leaf, param, differentiable, tx):
     compute,
     reduce,
     tx.replica_axes,
+    tx.weight_quantization,
+    tx.gradient_quantization,
   )
 
 
@@ -266,7 +268,8 @@ def _reduce(leaf, grad, tx, divisor, scale):
     grad = jax.lax.psum(grad, tx.batch_axes)
   else:
     if tx.stage == 1:
-      grad = collectives.scatter(grad, leaf.dim, layout_lib.entry(tx.data_axes), leaf.padded_size)
+      data = layout_lib.entry(tx.data_axes)
+      grad = collectives.scatter(grad, leaf.dim, data, leaf.padded_size, tx.gradient_quantization)
     if tx.replica_axes:
       grad = jax.lax.psum(grad, tx.replica_axes)
   grad = grad.astype(leaf.dtype) / divisor

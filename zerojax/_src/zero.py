@@ -13,7 +13,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax._src import collectives
+from zerojax._src import collectives, quantize
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import precision as precision_lib
@@ -76,6 +76,11 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       over (hybrid sharding), as a tuple; empty without ``replica_axis``.
     inner: the wrapped transformation.
     precision: the ``zerojax.Precision`` policy.
+    quantized_weights: ``"int8"``, ``"int4"`` or ``None``, as given.
+    quantized_gradients: ``"int8"``, ``"int4"`` or ``None``, as given.
+    weight_quantization: the ``Quantization`` (bits, block size) of stage 3's
+      weight all-gathers, or ``None``.
+    gradient_quantization: that of the gradient reduce-scatters, or ``None``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zerojax
@@ -92,9 +97,25 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   replica_axes: tuple[str, ...]
   inner: optax.GradientTransformationExtraArgs
   precision: precision_lib.Precision
+  quantized_weights: str | None
+  quantized_gradients: str | None
+  weight_quantization: quantize.Quantization | None
+  gradient_quantization: quantize.Quantization | None
 
   def __new__(
-    cls, inner, *, stage, mesh, axis_name, replica_axis, layout, min_shard_size, precision
+    cls,
+    inner,
+    *,
+    stage,
+    mesh,
+    axis_name,
+    replica_axis,
+    layout,
+    min_shard_size,
+    precision,
+    quantized_weights=None,
+    quantized_gradients=None,
+    quantization_block_size=quantize.DEFAULT_BLOCK_SIZE,
   ):
     data_axes, replica_axes = layout_lib.axes(axis_name), layout_lib.axes(replica_axis or ())
     planner = Planner(
@@ -104,6 +125,13 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     self.stage, self.mesh, self.axis_name, self.inner = stage, mesh, axis_name, planner.inner
     self.data_axes, self.replica_axes = data_axes, replica_axes
     self.precision = precision
+    self.quantized_weights, self.quantized_gradients = quantized_weights, quantized_gradients
+    self.weight_quantization = quantize.resolve(
+      "quantized_weights", quantized_weights, quantization_block_size
+    )
+    self.gradient_quantization = quantize.resolve(
+      "quantized_gradients", quantized_gradients, quantization_block_size
+    )
     self._planner = planner
     return self
 
@@ -472,23 +500,24 @@ def _check_shapes(tree: Any, layout: layout_lib.Layout, what: str) -> None:
       )
 
 
-def _zero(
-  stage: int, inner, mesh, axis_name, replica_axis, layout, min_shard_size, precision
-) -> ZeroTransformation:
+def _zero(stage: int, inner, mesh, axis_name, **options) -> ZeroTransformation:
   if not hasattr(inner, "init") or not hasattr(inner, "update"):
     raise ValueError(
       f"zero{stage} wraps an optax.GradientTransformation, got {type(inner).__name__}; "
       "pass e.g. optax.adamw(1e-3)."
     )
+  if stage < 3 and options["quantized_weights"] is not None:
+    raise ValueError(
+      f"quantized_weights quantizes the weight all-gathers that stage 3 makes before each "
+      f"use; zero{stage} keeps the parameters whole on every device and gathers none. "
+      "Use zerojax.zero3 for quantized weights, or quantized_gradients alone."
+    )
   return ZeroTransformation(
     inner,
     stage=stage,
-    mesh=mesh_lib.resolve_mesh(mesh, axis_name, replica_axis),
+    mesh=mesh_lib.resolve_mesh(mesh, axis_name, options["replica_axis"]),
     axis_name=axis_name,
-    replica_axis=replica_axis,
-    layout=layout,
-    min_shard_size=min_shard_size,
-    precision=precision_lib.resolve(precision),
+    **{**options, "precision": precision_lib.resolve(options["precision"])},
   )
 
 
@@ -519,6 +548,17 @@ _ARGS_DOC = """
     precision: a ``zerojax.Precision`` policy (master, compute and reduce
       dtypes; loss scaling; skipping non-finite steps), or one of ``"fp32"``,
       ``"bf16"``, ``"fp16"``. By default nothing is cast and no step skipped.
+    quantized_weights: stage 3 only: ``"int8"`` (or ``"int4"``) sends each
+      weight all-gather of ``zerojax.value_and_grad`` as block-quantized
+      integers plus one float32 scale per block (ZeRO++'s qwZ), dequantized to
+      the compute dtype on arrival. Only the moved copy is quantized: stored
+      parameters and optimizer state never are. ``None`` by default.
+    quantized_gradients: ``"int8"`` (or ``"int4"``) turns each gradient
+      reduce-scatter of ``zerojax.value_and_grad`` into an all-to-all of
+      block-quantized chunks that each device sums in float32 (ZeRO++'s
+      qgZ). Replicated small leaves, and the shard-sized all-reduce across
+      ``replica_axis``, stay unquantized. ``None`` by default.
+    quantization_block_size: elements per scale (even; 256 by default).
 
   Returns:
     A ``ZeroTransformation``.
@@ -537,8 +577,23 @@ def _stage(stage: int, summary: str):
     layout: Any = None,
     min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
     precision: precision_lib.Precision | str | None = None,
+    quantized_weights: str | None = None,
+    quantized_gradients: str | None = None,
+    quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
   ) -> ZeroTransformation:
-    return _zero(stage, inner, mesh, axis_name, replica_axis, layout, min_shard_size, precision)
+    return _zero(
+      stage,
+      inner,
+      mesh,
+      axis_name,
+      replica_axis=replica_axis,
+      layout=layout,
+      min_shard_size=min_shard_size,
+      precision=precision,
+      quantized_weights=quantized_weights,
+      quantized_gradients=quantized_gradients,
+      quantization_block_size=quantization_block_size,
+    )
 
   factory.__name__ = factory.__qualname__ = f"zero{stage}"
   factory.__doc__ = summary + _ARGS_DOC
