@@ -251,6 +251,15 @@ def reduce_scatter(
   return quantize.reduce_scatter(x, axis_name, axis, quantization, dtype)
 
 
+def all_reduce(
+  x: jax.Array, axis_name: Any, quantization: quantize.Quantization | None = None
+) -> jax.Array:
+  """A ``psum``; with ``quantization``, a quantized reduce-scatter and all-gather."""
+  if quantization is None:
+    return jax.lax.psum(x, axis_name)
+  return quantize.all_reduce(x, axis_name, quantization, jnp.promote_types(x.dtype, jnp.float32))
+
+
 def scatter(
   x: jax.Array,
   dim: int,

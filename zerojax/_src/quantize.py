@@ -25,7 +25,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+# Not exported by jax.lax (0.10): an all-gather typed as returning the same
+# value on every device, which a psum's replacement must be.
+from jax._src.lax.parallel import all_gather_invariant
 
 #: The ``quantized_weights`` / ``quantized_gradients`` values and their bit widths.
 FORMATS = {"int8": 8, "int4": 4}
@@ -47,7 +50,7 @@ class Quantization(NamedTuple):
     >>> tx.weight_quantization, tx.gradient_quantization
     (Quantization(bits=8, block_size=256), None)
     >>> tx.weight_quantization.moved_bytes(1024)  # against 4096 bytes of float32
-    1040.0
+    1040
   """
 
   bits: int
@@ -58,9 +61,15 @@ class Quantization(NamedTuple):
     """The largest code: levels run from ``-qmax`` to ``qmax`` (127 for 8 bits, 7 for 4)."""
     return 2 ** (self.bits - 1) - 1
 
-  def moved_bytes(self, num_elements: int) -> float:
-    """Bytes of codes and float32 scales that ``num_elements`` quantized elements take."""
-    return num_elements * self.bits / 8 + 4 * num_elements / self.block_size
+  def block(self, num_elements: int) -> int:
+    """The block size used for an array of ``num_elements``: smaller arrays are one block."""
+    return min(self.block_size, num_elements + num_elements % 2) or 2
+
+  def moved_bytes(self, num_elements: int) -> int:
+    """Bytes of codes and float32 scales that quantizing ``num_elements`` elements gives."""
+    block = self.block(num_elements)
+    blocks = -(-num_elements // block)
+    return blocks * (block * self.bits // 8 + 4)
 
 
 class Blocks(NamedTuple):
@@ -98,7 +107,8 @@ def quantize(x: jax.Array, spec: Quantization, batch_dims: int = 0) -> Blocks:
   """Quantizes ``x`` block-wise, each of its first ``batch_dims`` dimensions kept apart.
 
   The remaining dimensions are flattened and zero-padded to a multiple of the
-  block size.
+  block size (``spec.block(n)``: an array smaller than a block is one block of
+  its own size, so a small leaf is not padded to a whole block).
 
   Args:
     x: a floating-point array (any float dtype; the arithmetic is float32).
@@ -121,10 +131,11 @@ def quantize(x: jax.Array, spec: Quantization, batch_dims: int = 0) -> Blocks:
   """
   batch = x.shape[:batch_dims]
   flat = x.reshape(*batch, -1).astype(jnp.float32)
-  padding = -flat.shape[-1] % spec.block_size
+  block = spec.block(flat.shape[-1])
+  padding = -flat.shape[-1] % block
   if padding:
     flat = jnp.pad(flat, [(0, 0)] * batch_dims + [(0, padding)])
-  blocks = flat.reshape(*batch, -1, spec.block_size)
+  blocks = flat.reshape(*batch, -1, block)
   # NaN-propagating, so a block holding a NaN or an inf gets a non-finite scale.
   scales = jnp.max(jnp.abs(blocks), axis=-1)
   step = scales / spec.qmax
@@ -169,14 +180,16 @@ def _unpack(packed: jax.Array) -> jax.Array:
 
 
 def all_gather(
-  x: jax.Array, axis_name: Any, axis: int, spec: Quantization, dtype: Any
+  x: jax.Array, axis_name: Any, axis: int, spec: Quantization, dtype: Any, invariant=False
 ) -> jax.Array:
   """A tiled ``jax.lax.all_gather`` of ``x`` along ``axis`` that moves quantized blocks.
 
   Each device quantizes its own piece; the codes and scales are gathered and
-  dequantized to ``dtype`` on arrival.
+  dequantized to ``dtype`` on arrival. ``invariant`` types the result as the
+  same on every device of ``axis_name`` (which it is), as a ``psum``'s is.
   """
-  blocks = jax.lax.all_gather(quantize(x, spec), axis_name, axis=0)
+  gather = all_gather_invariant if invariant else jax.lax.all_gather
+  blocks = gather(quantize(x, spec), axis_name, axis=0)
   count = blocks.scales.shape[0]
   pieces = dequantize(blocks, spec, (count, *x.shape), dtype)
   # (devices, ..., piece, ...) -> (..., devices * piece, ...)
@@ -209,14 +222,20 @@ def reduce_scatter(
   return summed.astype(dtype)
 
 
-def payload_ratio(spec: Quantization | None, dtype: Any = np.float32) -> float:
-  """Bytes moved per element quantized, over ``dtype``'s (1 without quantization).
+def all_reduce(x: jax.Array, axis_name: Any, spec: Quantization, dtype: Any) -> jax.Array:
+  """A ``jax.lax.psum`` that moves quantized blocks: ``reduce_scatter``, then ``all_gather``.
 
-  Example:
-    >>> from zerojax._src.quantize import Quantization, payload_ratio
-    >>> round(payload_ratio(Quantization(8, 256)), 4), round(payload_ratio(Quantization(4, 256)), 4)
-    (0.2539, 0.1289)
+  ``x`` is flattened and cut into one chunk per device; each device sums its
+  chunk in float32 as ``reduce_scatter`` does, quantizes the sum once more, and
+  the sums are gathered. Every device dequantizes the same gathered codes, its
+  own chunk's included, so the result is identical on all of them (replicas
+  stay in step).
   """
-  if spec is None:
-    return 1.0
-  return spec.moved_bytes(1) / np.dtype(dtype).itemsize
+  count = jax.lax.axis_size(axis_name)
+  flat = x.reshape(-1)
+  padding = -flat.size % count
+  if padding:
+    flat = jnp.pad(flat, (0, padding))
+  summed = reduce_scatter(flat, axis_name, 0, spec, jnp.float32)
+  gathered = all_gather(summed, axis_name, 0, spec, dtype, invariant=True)
+  return gathered[: x.size].reshape(x.shape)
