@@ -6,7 +6,8 @@
 train each stage on the drop-in path (plain ``jax.value_and_grad``) too;
 save the stage-3 state to ``OUT/checkpoint`` and restore the one in
 ``RESTORE/checkpoint``, if given; train each stage again under hybrid sharding,
-on a (replica, data) mesh whose replicas are the processes (one "node" each);
+on a (replica, data) mesh whose replicas are the processes (one "node" each),
+and stage 3 there with int8-quantized communication;
 provoke ``global_batch``'s errors. Every process writes
 what it saw to ``OUT/p<process id>.npz`` and ``.json``. The test runs the same
 function in its own single process for the comparison. ``die``: train until
@@ -125,14 +126,19 @@ def train_hybrid(report) -> dict:
     assert owners == [{0}, {1}], f"each replica should be one process, got {owners}"
   batch = zerojax.global_batch(local_rows(models.make_batch()), mesh, axis_name=("replica", "data"))
   arrays = {}
-  for stage in STAGES:
-    tx = STAGES[stage](optax.adam(1e-2), mesh=mesh, replica_axis="replica")
+  quantized = dict(quantized_weights="int8", quantized_gradients="int8")
+  # Stage 3 once more with ZeRO++'s quantized gathers and reductions: the
+  # cross-replica reduction is then an all-to-all and an all-gather of int8
+  # codes between the processes.
+  runs = [(stage, "hybrid", {}) for stage in STAGES] + [(3, "quantized", quantized)]
+  for stage, name, options in runs:
+    tx = STAGES[stage](optax.adam(1e-2), mesh=mesh, replica_axis="replica", **options)
     params = tx.shard(models.make_params())
     state, step = tx.init(params), models.explicit_step(tx)
     for _ in range(STEPS):
       params, state, loss = step(params, state, *batch)
-      report["stages"][stage].setdefault("hybrid_losses", []).append(float(loss))
-    arrays.update(flat(f"hybrid/{stage}/to_all", zerojax.gather_to_host(tx, params, process=None)))
+      report["stages"][stage].setdefault(f"{name}_losses", []).append(float(loss))
+    arrays.update(flat(f"{name}/{stage}/to_all", zerojax.gather_to_host(tx, params, process=None)))
   return arrays
 
 

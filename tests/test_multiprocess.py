@@ -98,6 +98,20 @@ def test_two_processes_train_like_one_under_hybrid_sharding(runs, stage):
   assert_trees_close(one_arrays, flat, f"hybrid/{stage}/to_all", atol=2e-5)
 
 
+def test_two_processes_train_like_one_with_quantized_communication(runs):
+  # Hybrid stage 3 with int8 gathers and reductions, the replica axis across
+  # the processes: the same codes move, so the same numbers come out; and they
+  # stay within quantization's error of the unquantized run.
+  (one_arrays, one), (two_arrays, two) = runs[1][0], runs[2][0]
+  np.testing.assert_allclose(
+    two["stages"]["3"]["quantized_losses"], one["stages"]["3"]["quantized_losses"], atol=1e-6
+  )
+  assert_trees_close(two_arrays, one_arrays, "quantized/3/to_all", atol=1e-6)
+  plain = {k.replace("hybrid/3", "quantized/3"): v for k, v in one_arrays.items()}
+  assert_trees_close(one_arrays, plain, "quantized/3/to_all", atol=5e-3)
+  assert one["stages"]["3"]["quantized_losses"][1:] != one["stages"]["3"]["hybrid_losses"][1:]
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_two_processes_train_like_one_on_the_drop_in_path(runs, stage):
   (one_arrays, one), (two_arrays, two) = runs[1][0], runs[2][0]
