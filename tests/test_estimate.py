@@ -156,10 +156,20 @@ def measured_communication(stage, weights=None, gradients=None, replicas=1, rega
     return optax.apply_updates(params, updates), state
 
   compiled = jax.jit(step).lower(params, tx.init(params), x).compile()
-  comm = zerojax.count_collectives(compiled)
-  gathers = comm["all-gather"].bytes
-  reductions = comm["reduce-scatter"].bytes + comm["all-to-all"].bytes
-  all_reduced = comm["all-reduce"].bytes  # the replica sum; the loss's, 4 bytes, without replicas
+  # Split by the mesh axes each collective spans: whatever crosses replicas is
+  # the replica sum (an all-reduce, or a quantized all-to-all and all-gather).
+  by_axes = zerojax.count_collectives_by_axes(compiled, mesh)
+  comm = {kind: 0 for kind in zerojax.count_collectives(compiled)}
+  across = 0
+  for axes, kinds in by_axes.items():
+    for kind, collective in kinds.items():
+      if "replica" in axes:
+        across += collective.bytes
+      else:
+        comm[kind] += collective.bytes
+  gathers = comm["all-gather"]
+  reductions = comm["reduce-scatter"] + comm["all-to-all"]
+  all_reduced = across + comm["all-reduce"]  # the loss's, 4 bytes, without replicas
   if stage == 0:
     reductions, all_reduced = reductions + all_reduced, 0
   return gathers, reductions, all_reduced, gathers + reductions + all_reduced

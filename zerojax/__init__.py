@@ -3,7 +3,13 @@
 from zerojax._src.checkpoint import CheckpointManager, StateSpec, train_state_spec
 from zerojax._src.collectives import Shard, gather, remat_policy
 from zerojax._src.distributed import gather_to_host, global_batch, initialize
-from zerojax._src.estimate import MemoryEstimate, estimate_memory, estimate_tree_memory
+from zerojax._src.estimate import (
+  CommunicationEstimate,
+  MemoryEstimate,
+  estimate_communication,
+  estimate_memory,
+  estimate_tree_memory,
+)
 from zerojax._src.export import export_safetensors, load_params
 from zerojax._src.grad import value_and_grad
 from zerojax._src.hlo import Collective, count_collectives, count_collectives_by_axes
@@ -21,6 +27,7 @@ __all__ = (
   "PREEMPTED_EXIT_CODE",
   "CheckpointManager",
   "Collective",
+  "CommunicationEstimate",
   "DynamicLossScale",
   "Layout",
   "LeafLayout",
@@ -36,6 +43,7 @@ __all__ = (
   "count_collectives",
   "count_collectives_by_axes",
   "default_shard_dim",
+  "estimate_communication",
   "estimate_memory",
   "estimate_tree_memory",
   "export_safetensors",

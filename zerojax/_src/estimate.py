@@ -262,8 +262,9 @@ def estimate_communication(
     policy=zerojax.remat_policy)`` gathers again in backward), one without;
     and the gradient reduce-scatter, Ψ x ``grad_bytes``;
   * with ``replicas`` above 1 (hybrid sharding), stages 1 to 3 also
-    all-reduce the shard across replicas: Ψ / N x ``grad_bytes``, never
-    quantized.
+    all-reduce the shard across replicas: Ψ / N x ``grad_bytes``; with
+    ``quantized_gradients``, a quantized all-to-all and all-gather of the
+    shard instead, twice ``moved_bytes(Ψ / N)``.
 
   Quantized, a collective moves ``Quantization.moved_bytes(Ψ)``: Ψ x bits / 8
   of codes and 4 bytes of scale per block (the padding of a last partial
@@ -329,8 +330,14 @@ def estimate_communication(
     return quantization.moved_bytes(num_params)
 
   passes = 2 if stage == 3 and regather else 1
-  shard = num_params / num_devices * grad_bytes if replicas > 1 else 0.0
-  return _communication(passes * moved(weights, param_bytes), moved(gradients, grad_bytes), shard)
+  shard = num_params / num_devices
+  if replicas == 1:
+    across = 0.0
+  elif gradients is None:
+    across = shard * grad_bytes
+  else:
+    across = 2 * gradients.moved_bytes(shard)
+  return _communication(passes * moved(weights, param_bytes), moved(gradients, grad_bytes), across)
 
 
 def _communication(weights, gradients, replicas) -> CommunicationEstimate:

@@ -58,7 +58,7 @@ class Quantization(NamedTuple):
 
   @property
   def qmax(self) -> int:
-    """The largest code: levels run from ``-qmax`` to ``qmax`` (127 for 8 bits, 7 for 4)."""
+    """The largest code; levels run from ``-qmax`` to ``qmax`` (127 for 8 bits, 7 for 4)."""
     return 2 ** (self.bits - 1) - 1
 
   def block(self, num_elements: int) -> int:
