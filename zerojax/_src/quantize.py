@@ -140,7 +140,9 @@ def quantize(x: jax.Array, spec: Quantization, batch_dims: int = 0) -> Blocks:
   scales = jnp.max(jnp.abs(blocks), axis=-1)
   step = scales / spec.qmax
   safe = jnp.where(step > 0, step, 1.0)  # all-zero blocks: codes 0, scale 0
-  codes = jnp.clip(jnp.round(blocks / safe[..., None]), -spec.qmax, spec.qmax).astype(jnp.int8)
+  codes = jnp.clip(jnp.round(blocks / safe[..., None]), -spec.qmax, spec.qmax)
+  # Codes 0 in a non-finite block (0 x inf is NaN): it dequantizes to NaN on every platform.
+  codes = jnp.where(jnp.isfinite(scales)[..., None], codes, 0).astype(jnp.int8)
   if spec.bits == 4:
     codes = _pack(codes)
   return Blocks(codes, scales)
