@@ -385,13 +385,35 @@ def ideal(name: str, psi: int, n: int) -> tuple[float, float]:
   return 12 * psi / n, 3.0
 
 
+def collective_volume(moved: dict[str, float]) -> float:
+  """The bytes of ``moved`` (per collective kind) in ZeRO's accounting.
+
+  An all-reduce counts twice its operand: a ring all-reduce is a
+  reduce-scatter plus an all-gather.
+  """
+  return sum(moved.values()) + moved.get("all-reduce", 0)
+
+
+def volume_by_axis(step, mesh, psi: int) -> dict[str, float]:
+  """``collective_volume`` of a compiled step over each axis of ``mesh``, in Ψ.
+
+  A collective over several axes counts on each of them.
+  """
+  moved = {axis: 0.0 for axis in mesh.axis_names}
+  for axes, kinds in zerojax.count_collectives_by_axes(step, mesh).items():
+    volume = collective_volume({kind: c.bytes for kind, c in kinds.items()})
+    for axis in axes:
+      moved[axis] += volume / (4 * psi)
+  return moved
+
+
 def measure(setups, times, ratios, psi: int, n: int) -> list[dict[str, Any]]:
   """One row of results per setup."""
   rows = []
   for setup in setups:
     memory = setup.step.memory_analysis()
     moved = {kind: c.bytes for kind, c in zerojax.count_collectives(setup.step).items()}
-    volume = sum(moved.values()) + moved["all-reduce"]  # an all-reduce moves 2x its operand
+    volume = collective_volume(moved)
     ideal_bytes, ideal_volume = ideal(setup.name, psi, n)
     rows.append(
       {
