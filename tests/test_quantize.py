@@ -88,7 +88,7 @@ def test_int4_codes_pack_two_to_a_byte_and_cover_every_level():
 
 def test_options_are_checked():
   mesh = jax.make_mesh((8,), ("data",))
-  with pytest.raises(ValueError, match="zero2 keeps the parameters whole"):
+  with pytest.raises(ValueError, match="stage 2 keeps the parameters whole"):
     zerojax.zero2(optax.sgd(0.1), mesh=mesh, quantized_weights="int8")
   with pytest.raises(ValueError, match=r"quantized_gradients='fp8' is not a format"):
     zerojax.zero1(optax.sgd(0.1), mesh=mesh, quantized_gradients="fp8")

@@ -305,13 +305,7 @@ def estimate_communication(
   _check(num_devices, stage, replicas)
   weights = quantize.resolve("quantized_weights", quantized_weights, quantization_block_size)
   gradients = quantize.resolve("quantized_gradients", quantized_gradients, quantization_block_size)
-  if weights is not None and stage < 3:
-    raise ValueError(
-      f"quantized_weights quantizes the weight all-gathers that stage 3 makes before each use; "
-      f"stage {stage} keeps the parameters whole on every device and makes none (stages 1 "
-      "and 2 gather the updated parameters once, unquantized). Estimate stage 3, or pass "
-      "quantized_gradients alone."
-    )
+  quantize.check_stage(stage, quantized_weights)
   if gradients is not None and stage == 0:
     raise ValueError(
       "quantized_gradients quantizes the gradient reduce-scatters of stages 1 to 3; plain "

@@ -103,6 +103,17 @@ def resolve(what: str, name: str | None, block_size: int) -> Quantization | None
   return Quantization(FORMATS[name], block_size)
 
 
+def check_stage(stage: int, quantized_weights: Any) -> None:
+  """Raises unless ``quantized_weights`` is ``None`` or ``stage`` is 3, the stage that gathers."""
+  if quantized_weights is not None and stage < 3:
+    raise ValueError(
+      "quantized_weights quantizes the weight all-gathers that stage 3 makes before each use; "
+      f"stage {stage} keeps the parameters whole on every device and makes none (stages 1 and 2 "
+      "gather the updated parameters once, unquantized). Use stage 3 (zerojax.zero3) for "
+      "quantized weights, or quantized_gradients alone."
+    )
+
+
 def quantize(x: jax.Array, spec: Quantization, batch_dims: int = 0) -> Blocks:
   """Quantizes ``x`` block-wise, each of its first ``batch_dims`` dimensions kept apart.
 

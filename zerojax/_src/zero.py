@@ -506,12 +506,7 @@ def _zero(stage: int, inner, mesh, axis_name, **options) -> ZeroTransformation:
       f"zero{stage} wraps an optax.GradientTransformation, got {type(inner).__name__}; "
       "pass e.g. optax.adamw(1e-3)."
     )
-  if stage < 3 and options["quantized_weights"] is not None:
-    raise ValueError(
-      f"quantized_weights quantizes the weight all-gathers that stage 3 makes before each "
-      f"use; zero{stage} keeps the parameters whole on every device and gathers none. "
-      "Use zerojax.zero3 for quantized weights, or quantized_gradients alone."
-    )
+  quantize.check_stage(stage, options["quantized_weights"])
   return ZeroTransformation(
     inner,
     stage=stage,
