@@ -15,9 +15,10 @@ Two parts, each written into its own generated section of
    unquantized (median of per-round ratios, interleaved rounds), checks the
    stage-3 targets (weight all-gathers, gradient reduction and the total each
    at most 0.30x of fp32's), measures the quantization error against its bound
-   on the model's weights and first gradient, and reads what stays unquantized:
-   stage 3 on the drop-in path (GSPMD's collectives), and the bytes over each
-   axis of a hybrid ``replica=2 x data=4`` mesh.
+   on the model's weights and first gradient, and reads the paths beside the
+   flat explicit one: stage 3 on the drop-in path (GSPMD's collectives, which
+   stay unquantized), and the bytes over each axis of a hybrid ``replica=2 x
+   data=4`` mesh.
 2. **Convergence.** ``examples/train_lm.py``'s ``main`` (imported, as
    ``tests/test_examples.py`` does) trains its GPT at stage 3 unquantized and
    with ``--quantized-weights`` / ``--quantized-gradients`` int8, int8 and int4
@@ -148,11 +149,11 @@ def measure_bytes(model, mesh, args, psi: int) -> list[dict[str, Any]]:
 
 
 def measure_unquantized_paths(model, n: int, psi: int) -> list[dict[str, Any]]:
-  """Stage 3 unquantized and with int8 both where part of the traffic stays unquantized.
+  """Stage 3 unquantized and with int8 both, on the drop-in path and under hybrid sharding.
 
-  The drop-in path (plain ``jax.value_and_grad``, GSPMD's collectives) on the
-  ``data`` mesh, and the explicit path with hybrid sharding on ``replica=2 x
-  data=n/2``; rows with the Ψ moved over each axis.
+  The drop-in path (plain ``jax.value_and_grad``, GSPMD's collectives, not
+  quantized) on the ``data`` mesh, and the explicit path with hybrid sharding
+  on ``replica=2 x data=n/2``; rows with the Ψ moved over each axis.
   """
   flat = jax.make_mesh((n,), (compare.AXIS,), axis_types=(AxisType.Auto,))
   hybrid = jax.make_mesh((2, n // 2), ("replica", compare.AXIS), axis_types=(AxisType.Auto,) * 2)
@@ -321,7 +322,7 @@ def bytes_section(model, args, argv, psi, elapsed, load, rows, paths, errors, pl
       "",
       *bytes_targets(rows),
       "",
-      "**What stays unquantized: the drop-in path, and hybrid sharding's replica axis**",
+      "**The drop-in path (unquantized), and hybrid sharding's two axes**",
       "",
       compare.table(paths, PATHS_COLUMNS),
       "",
