@@ -22,10 +22,11 @@ Two parts, each written into its own generated section of
 2. **Convergence.** ``examples/train_lm.py``'s ``main`` (imported, as
    ``tests/test_examples.py`` does) trains its GPT at stage 3 unquantized and
    with ``--quantized-weights`` / ``--quantized-gradients`` int8, int8 and int4
-   (DeepSpeed's combination) and int4, same seed, same batches; the final
-   validation losses are compared against the 2% bar, and the curves plotted.
+   (DeepSpeed's combination), int4, and int4 with blocks of 32, same seed, same
+   batches; the final validation losses are compared against the 2% bar, and
+   the curves plotted.
 
-Run (about 10 minutes on two busy cores; the four 600-step trainings take most
+Run (about 12 minutes on two busy cores; the five 600-step trainings take most
 of it)::
 
   python benchmarks/quantization.py --markdown docs/compression.md --plots docs/img
@@ -45,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import compare
 import jax
@@ -346,27 +347,44 @@ def import_train_lm():
   return importlib.import_module("examples.train_lm")
 
 
-Run = tuple[str | None, str | None]  # (quantized_weights, quantized_gradients)
+class Run(NamedTuple):
+  """One convergence run's quantization (``None``: not quantized)."""
+
+  weights: str | None
+  gradients: str | None
+  block_size: int = quantize.DEFAULT_BLOCK_SIZE
+
+  @property
+  def name(self) -> str:
+    name = setup_name(3, self.weights, self.gradients).removeprefix("zero3").strip()
+    if self.block_size != quantize.DEFAULT_BLOCK_SIZE:
+      name += f", blocks of {self.block_size}"
+    return name or "unquantized"
+
+  def flags(self) -> list[str]:
+    """The ``train_lm`` flags of this quantization (none unquantized)."""
+    flags = []
+    for what, bits in (("weights", self.weights), ("gradients", self.gradients)):
+      flags += [f"--quantized-{what}", bits] if bits else []
+    if self.block_size != quantize.DEFAULT_BLOCK_SIZE:
+      flags += ["--quantization-block-size", str(self.block_size)]
+    return flags
 
 
 def parse_run(text: str) -> Run:
-  """``"int8"`` -> both int8; ``"int8/int4"`` -> int8 weights, int4 gradients."""
-  weights, _, gradients = text.partition("/")
-  run = (weights, gradients or weights)
-  if not set(run) <= set(quantize.FORMATS):
+  """``"int8"`` -> both int8; ``"int8/int4"`` -> int8 weights, int4 gradients; ``"int4@32"``.
+
+  The ``@`` suffix sets the block size (elements per scale).
+  """
+  formats, _, block = text.partition("@")
+  weights, _, gradients = formats.partition("/")
+  run = Run(weights, gradients or weights, int(block) if block.isdigit() else 0)
+  if not {run.weights, run.gradients} <= set(quantize.FORMATS) or (block and not run.block_size):
     raise argparse.ArgumentTypeError(
       f"{text!r}: give a format for both ({', '.join(quantize.FORMATS)}) or weights/gradients, "
-      "e.g. int8/int4"
+      "e.g. int8/int4, optionally with a block size, e.g. int4@32"
     )
-  return run
-
-
-def run_flags(weights: str | None, gradients: str | None) -> list[str]:
-  """The ``train_lm`` flags of one quantization (none for ``None``)."""
-  flags = []
-  for what, bits in (("weights", weights), ("gradients", gradients)):
-    flags += [f"--quantized-{what}", bits] if bits else []
-  return flags
+  return run if block else run._replace(block_size=quantize.DEFAULT_BLOCK_SIZE)
 
 
 def lm_step_volume(train_lm, run: Run, devices: int) -> tuple[float, int]:
@@ -384,10 +402,15 @@ def lm_step_volume(train_lm, run: Run, devices: int) -> tuple[float, int]:
   optimizer = train_lm.make_optimizer(preset.lr, preset.steps)
   full = lm_model.init_params(model, 0)
   psi = sum(x.size for x in jax.tree.leaves(full))
-  weights, gradients = run
   with jax.set_mesh(mesh):
     setup = train_lm.make_setup(
-      3, mesh, optimizer, loss, quantized_weights=weights, quantized_gradients=gradients
+      3,
+      mesh,
+      optimizer,
+      loss,
+      quantized_weights=run.weights,
+      quantized_gradients=run.gradients,
+      quantization_block_size=run.block_size,
     )
     tokens = np.zeros((preset.batch_size, preset.seq_len), np.int32)
     x = jax.device_put(tokens, NamedSharding(mesh, P("data")))
@@ -401,16 +424,16 @@ def run_convergence(args, out: pathlib.Path) -> list[dict[str, Any]]:
   """Trains ``train_lm`` at stage 3 unquantized and with each of ``--runs``; one row each."""
   train_lm = import_train_lm()
   rows = []
-  for run in ((None, None), *args.runs):
-    name = setup_name(3, *run).removeprefix("zero3").strip() or "unquantized"
+  for run in (Run(None, None), *args.runs):
+    name = run.name
     flags = ["--stage", "3", "--seed", "0", "--no-report", "--out", str(out / name)]
     flags += ["--steps", str(args.steps)] if args.steps else []
-    metrics = train_lm.main([*flags, *run_flags(*run)])
+    metrics = train_lm.main([*flags, *run.flags()])
     volume, psi = lm_step_volume(train_lm, run, args.devices)
     rows.append(
       {
         "run": name,
-        "flags": " ".join(run_flags(*run)) or "(none)",
+        "flags": " ".join(run.flags()) or "(none)",
         "volume": volume,
         "psi": psi,
         "steps": metrics["config"]["steps"],
@@ -520,11 +543,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     "--runs",
     nargs="*",
     type=parse_run,
-    default=[("int8", "int8"), ("int8", "int4"), ("int4", "int4")],
-    metavar="W[/G]",
+    default=[parse_run(text) for text in ("int8", "int8/int4", "int4", "int4@32")],
+    metavar="W[/G][@B]",
     help="the quantized convergence runs, each against the unquantized one: a format for "
-    "weights and gradients (int8, int4), or weights/gradients (int8/int4: DeepSpeed's choice); "
-    "default: int8 int8/int4 int4",
+    "weights and gradients (int8, int4), or weights/gradients (int8/int4: DeepSpeed's choice), "
+    "and @ a block size (int4@32); default: int8 int8/int4 int4 int4@32",
   )
   parser.add_argument("--skip-bytes", action="store_true", help="only the convergence runs")
   parser.add_argument("--skip-convergence", action="store_true", help="only the bytes")

@@ -186,12 +186,7 @@ def measure_multi_axis(model: compare.ModelConfig, params: Any, n: int, args) ->
   rows = []
   for setup in setups:
     mesh, specs = meshes[setup.name]
-    by_axes = zerojax.count_collectives_by_axes(setup.step, mesh)
-    moved = {axis: 0.0 for axis in mesh.axis_names}
-    for axes, kinds in by_axes.items():
-      for kind, collective in kinds.items():
-        for axis in axes:  # a collective over several axes counts on each
-          moved[axis] += collective.bytes * (2 if kind == "all-reduce" else 1) / (4 * psi)
+    moved = compare.volume_by_axis(setup.step, mesh, psi)
     stage = stage_of(setup.name)
     rows.append(
       {

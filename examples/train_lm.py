@@ -134,6 +134,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
       f"block-quantized integers, as ZeRO++ does ({stages})",
     )
   parser.add_argument(
+    "--quantization-block-size",
+    type=int,
+    default=256,
+    help="elements per scale of the quantized weights and gradients",
+  )
+  parser.add_argument(
     "--microbatches",
     type=int,
     default=1,
@@ -379,7 +385,10 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   quantized = dict(
     quantized_weights=args.quantized_weights, quantized_gradients=args.quantized_gradients
   )
-  options = dict(precision=args.precision, **quantized) if args.stage else {}
+  options = {}
+  if args.stage:
+    options = dict(precision=args.precision, **quantized)
+    options["quantization_block_size"] = args.quantization_block_size
   setup = make_setup(args.stage, mesh, optimizer, loss, args.microbatches, **options)
   platform = jax.devices()[0].platform
   initial = place_on_model_axis(lm_model.init_params(model, args.seed), mesh)
