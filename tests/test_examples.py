@@ -33,6 +33,17 @@ def test_train_lm_fp16_with_micro_batches_learns(tmp_path):
   assert len(metrics["pre_clip_grad_norm"]) == 20
 
 
+def test_train_lm_learns_with_quantized_communication(tmp_path):
+  flags = ["--model", "tiny", "--steps", "20", "--no-report", "--out", str(tmp_path)]
+  quantized = ["--quantized-weights", "int8", "--quantized-gradients", "int4"]
+  metrics = train_lm.main([*flags, *quantized])
+  assert metrics["train_loss"][-1] < 0.8 * metrics["train_loss"][0]
+  config = metrics["config"]
+  assert (config["quantized_weights"], config["quantized_gradients"]) == ("int8", "int4")
+  with pytest.raises(SystemExit):  # stage 2 gathers no weights: argparse says so
+    train_lm.parse_args(["--stage", "2", "--quantized-weights", "int8"])
+
+
 def test_digits_nnx_classifies():
   assert digits_nnx.main(["--steps", "100"])["test_accuracy"] > 0.9
 

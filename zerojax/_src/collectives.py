@@ -247,8 +247,7 @@ def reduce_scatter(
   """
   if quantization is None:
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
-  dtype = jnp.promote_types(x.dtype, jnp.float32)
-  return quantize.reduce_scatter(x, axis_name, axis, quantization, dtype)
+  return quantize.reduce_scatter(x, axis_name, axis, quantization, _summed_in(x))
 
 
 def all_reduce(
@@ -257,7 +256,12 @@ def all_reduce(
   """A ``psum``; with ``quantization``, a quantized reduce-scatter and all-gather."""
   if quantization is None:
     return jax.lax.psum(x, axis_name)
-  return quantize.all_reduce(x, axis_name, quantization, jnp.promote_types(x.dtype, jnp.float32))
+  return quantize.all_reduce(x, axis_name, quantization, _summed_in(x))
+
+
+def _summed_in(x: jax.Array) -> Any:
+  """The dtype a quantized reduction of ``x`` sums in: float32, or ``x``'s if wider."""
+  return jnp.promote_types(x.dtype, jnp.float32)
 
 
 def scatter(
