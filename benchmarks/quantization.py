@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import itertools
 import math
 import os
 import pathlib
@@ -471,7 +472,8 @@ def plot_convergence(rows: list[dict[str, Any]], path: str) -> None:
   figure = Figure(figsize=(14, 4))
   val_ax, difference_ax, train_ax = figure.subplots(1, 3)
   base = [point["loss"] for point in rows[0]["val"]]
-  for row, style in zip(rows, ("-", "--", ":", "-."), strict=False):
+  # Every run is drawn: line styles repeat past four runs, colours do not until ten.
+  for row, style in zip(rows, itertools.cycle(("-", "--", ":", "-.")), strict=False):
     label = f"{row['run']} ({row['volume']:.2f}Ψ per step)"
     steps = [point["step"] for point in row["val"]]
     losses = [point["loss"] for point in row["val"]]
