@@ -107,8 +107,8 @@ def communication_table(
   ``zerojax.estimate_communication``); zero3 gathers every weight twice, the
   second time in backward under remat. With quantization, each cell also
   gives the ratio to the unquantized bytes. zerojax quantizes only what
-  zero1-3 move: plain data parallelism, stage 1 and 2's all-gather of the
-  updated parameters and the all-reduce across replicas stay as they are.
+  zero1-3 move: plain data parallelism and stage 1 and 2's all-gather of the
+  updated parameters stay as they are.
 
   Example:
     7.5B parameters with bf16 weights and gradients, on 64 devices:

@@ -551,8 +551,9 @@ _ARGS_DOC = """
     quantized_gradients: ``"int8"`` (or ``"int4"``) turns each gradient
       reduce-scatter of ``zerojax.value_and_grad`` into an all-to-all of
       block-quantized chunks that each device sums in float32 (ZeRO++'s
-      qgZ). Replicated small leaves, and the shard-sized all-reduce across
-      ``replica_axis``, stay unquantized. ``None`` by default.
+      qgZ); with ``replica_axis``, the shard's sum across replicas becomes a
+      quantized all-to-all and all-gather too. Replicated small leaves stay
+      unquantized. ``None`` by default.
     quantization_block_size: elements per scale (even; 256 by default).
 
   Returns:
