@@ -262,8 +262,8 @@ def _reduce(leaf, grad, tx, divisor, scale):
   """Finishes one leaf's gradient: a sum over devices, then the mean, unscaled.
 
   Sharded gradients are reduce-scattered inside each data group, and only the
-  shard-sized result is summed across replicas (both quantized with
-  ``quantized_gradients``).
+  shard-sized result is summed across replicas, in the reduce dtype like the
+  reduce-scatter (both quantized with ``quantized_gradients``).
   """
   if leaf.dim is None:
     grad = jax.lax.psum(grad, tx.batch_axes)
@@ -272,7 +272,8 @@ def _reduce(leaf, grad, tx, divisor, scale):
       data = layout_lib.entry(tx.data_axes)
       grad = collectives.scatter(grad, leaf.dim, data, leaf.padded_size, tx.gradient_quantization)
     if tx.replica_axes:
-      grad = collectives.all_reduce(grad, tx.replica_axes, tx.gradient_quantization)
+      reduce = tx.precision.reduce_dtype(leaf.dtype)
+      grad = collectives.all_reduce(grad.astype(reduce), tx.replica_axes, tx.gradient_quantization)
   grad = grad.astype(leaf.dtype) / divisor
   return grad if scale is None else grad / scale
 

@@ -101,8 +101,9 @@ class Precision:
       ``compute`` copy as the parameters.
     compute: dtype the loss function sees the parameters in (default: the
       master dtype).
-    reduce: dtype gradients are reduce-scattered (summed over devices) in
-      (default: the master dtype).
+    reduce: dtype gradients are reduce-scattered (summed over devices) in,
+      and, with hybrid sharding, all-reduced across replicas in (default:
+      the master dtype).
     loss_scale: ``None``; a ``DynamicLossScale``; or a number, for a static
       scale.
     skip_nonfinite: skip a step, on every device, whose gradients hold an inf
