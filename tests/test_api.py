@@ -204,6 +204,38 @@ def test_shard_inside_jit_and_gather_compiles_once(types):
   np.testing.assert_array_equal(gathered["odd"], params["odd"])
 
 
+def test_drop_in_stage3_with_padded_leaves_on_explicit_axes():
+  # Explicit axes cannot type an uneven split: tx.unpad hands the model padded
+  # leaves whole over the data axis instead of failing in the slice.
+  mesh = make_mesh(8, AxisType.Explicit)
+  tx = zerojax.zero3(optax.adam(1e-2), mesh=mesh, min_shard_size=1)
+  params = {"w": jnp.linspace(-1.0, 1.0, 16 * 13).reshape(16, 13), "v": jnp.ones((13, 24)) / 13}
+  x = jnp.linspace(0.0, 1.0, 4 * 16).reshape(4, 16)
+  loss_fn = lambda p: jnp.mean((x @ p["w"] @ p["v"]) ** 2)
+
+  @jax.jit
+  def step(params, state):
+    unpadded = tx.unpad(params)
+    assert unpadded["w"].shape == (16, 13) and unpadded["v"].shape == (13, 24)
+    updates, state = tx.update(jax.grad(loss_fn)(unpadded), state, params)
+    return optax.apply_updates(params, updates), state
+
+  placed = tx.shard(params)
+  assert placed["w"].shape == (16, 16)
+  state = tx.init(placed)
+  plain, plain_state = params, optax.adam(1e-2).init(params)
+  for _ in range(2):
+    placed, state = step(placed, state)
+    updates, plain_state = optax.adam(1e-2).update(jax.grad(loss_fn)(plain), plain_state, plain)
+    plain = optax.apply_updates(plain, updates)
+  assert placed["w"].sharding.spec == jax.P(None, "data")
+  with jax.set_mesh(mesh):  # stored (padded) params placed again inside jit
+    again = jax.jit(tx.shard)(placed)
+  for actual in (tx.gather(placed), tx.gather(again)):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(plain), strict=True):
+      np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6)
+
+
 def test_trees_of_another_structure_raise(mesh):
   tx = zerojax.zero2(optax.adam(0.1), mesh=mesh)
   params = tx.shard({"w": jnp.ones((8, 128))})

@@ -164,12 +164,11 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     is a sharding constraint.
     """
     plans = self._planner.plans(params)
-    params = plans.to_logical(params)
     if mesh_lib.is_traced(params):
-      store = functools.partial(plans.params.map, _stored)
+      store = lambda tree: plans.params.map(_stored, plans.to_logical(tree))
       return mesh_lib.global_view(self.mesh, store, plans.params.specs())(params)
     place = lambda leaf, x: jax.device_put(x, NamedSharding(self.mesh, leaf.partition_spec))
-    return plans.params.map(lambda leaf, x: place(leaf, _stored(leaf, x)), params)
+    return plans.params.map(lambda leaf, x: place(leaf, _stored(leaf, x)), plans.to_logical(params))
 
   def gather(self, params: optax.Params) -> optax.Params:
     """Full, unpadded parameters, replicated over the data axis (for evaluation and export).
@@ -192,9 +191,18 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
 
     Only a drop-in stage-3 step whose parameters have padded leaves needs this:
     call the model on ``tx.unpad(params)``. It is the identity for leaves that
-    needed no padding, and for stages 1 and 2.
+    needed no padding, and for stages 1 and 2. On a mesh with explicit axes,
+    whose types cannot express an uneven split, padded leaves come out whole
+    over the data axes (other axes kept); on ``Auto`` axes the compiler keeps
+    them split.
     """
-    return self._planner.plans(params).to_logical(params)
+    plans = self._planner.plans(params)
+    if not (mesh_lib.is_explicit(self.mesh) and mesh_lib.is_traced(params)):
+      return plans.to_logical(params)
+    specs = plans.params.map(
+      lambda leaf: leaf.full_spec(self.data_axes) if leaf.padding else leaf.partition_spec
+    )
+    return mesh_lib.global_view(self.mesh, plans.to_logical, specs)(params)
 
   def param_shardings(self, params: optax.Params) -> Any:
     """The ``NamedSharding`` of every stored parameter (for ``jax.jit`` and checkpoint restore).
