@@ -92,8 +92,13 @@ def test_options_are_checked():
     zerojax.zero2(optax.sgd(0.1), mesh=mesh, quantized_weights="int8")
   with pytest.raises(ValueError, match=r"quantized_gradients='fp8' is not a format"):
     zerojax.zero1(optax.sgd(0.1), mesh=mesh, quantized_gradients="fp8")
-  with pytest.raises(ValueError, match="quantization_block_size must be a positive even"):
-    zerojax.zero3(optax.sgd(0.1), mesh=mesh, quantized_weights="int8", quantization_block_size=3)
+  for bad in (3, -4, 0, "256", 256.0, True):
+    with pytest.raises(ValueError, match="quantization_block_size must be a positive even"):
+      zerojax.zero3(optax.sgd(0.1), mesh=mesh, quantization_block_size=bad)
+  tx = zerojax.zero1(
+    optax.sgd(0.1), mesh=mesh, quantized_gradients="int8", quantization_block_size=np.int64(64)
+  )
+  assert tx.gradient_quantization == quantize.Quantization(8, 64)
 
 
 # --------------------------------------------------------------------- collectives
@@ -203,6 +208,25 @@ def test_every_stage_is_close_to_its_unquantized_step(stage, option):
   bits = option.split()[0]
   assert 0 < error < TOLERANCE[bits], error
   assert abs(loss - loss0) < LOSS_TOLERANCE[bits] * abs(loss0)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_complex_leaves_move_unquantized(stage):
+  # A block's codes and scale are real: quantizing a complex leaf would drop
+  # its imaginary part, so complex leaves keep the exact collectives.
+  mesh = make_mesh("single")
+  rng = np.random.default_rng(5)
+  z = jnp.asarray(rng.normal(size=(4, 64)) + 1j * rng.normal(size=(4, 64)), jnp.complex64)
+  x = jnp.asarray(rng.normal(size=(8, 4)), jnp.complex64)
+  loss_fn = lambda p, x: jnp.mean(jnp.abs(x @ zerojax.gather(p)["z"]) ** 2)
+  both = dict(quantized_gradients="int8", quantized_weights="int8" if stage == 3 else None)
+  grads = []
+  for options in ({}, both):
+    tx = getattr(zerojax, f"zero{stage}")(optax.sgd(0.1), mesh=mesh, min_shard_size=1, **options)
+    _, g = jax.jit(zerojax.value_and_grad(loss_fn, tx))(tx.shard({"z": z}), x)
+    grads.append(tx.gather(g)["z"])
+  np.testing.assert_array_equal(grads[1], grads[0])
+  np.testing.assert_allclose(grads[0], jax.grad(loss_fn)({"z": z}, x)["z"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mesh_name", ["tensor", "both"])

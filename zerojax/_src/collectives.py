@@ -202,7 +202,7 @@ class _Wire(NamedTuple):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _all_gather(value, axis, axis_name, wire):
   """A tiled all-gather in the compute dtype whose backward pass reduce-scatters."""
-  if wire.weights is not None:
+  if _quantizable(value, wire.weights):
     return quantize.all_gather(value, axis_name, axis, wire.weights, wire.compute)
   if value.dtype == wire.compute:
     return jax.lax.all_gather(value, axis_name, axis=axis, tiled=True)
@@ -245,7 +245,7 @@ def reduce_scatter(
 
   The quantized reduction sums in float32 (or ``x``'s dtype, if wider).
   """
-  if quantization is None:
+  if not _quantizable(x, quantization):
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
   return quantize.reduce_scatter(x, axis_name, axis, quantization, _summed_in(x))
 
@@ -254,9 +254,17 @@ def all_reduce(
   x: jax.Array, axis_name: Any, quantization: quantize.Quantization | None = None
 ) -> jax.Array:
   """A ``psum``; with ``quantization``, a quantized reduce-scatter and all-gather."""
-  if quantization is None:
+  if not _quantizable(x, quantization):
     return jax.lax.psum(x, axis_name)
   return quantize.all_reduce(x, axis_name, quantization, _summed_in(x))
+
+
+def _quantizable(x: jax.Array, quantization: quantize.Quantization | None) -> bool:
+  """Whether ``x`` moves quantized: ``quantization`` is set and ``x`` is real.
+
+  Complex leaves move unquantized: a block's codes and scale are real numbers.
+  """
+  return quantization is not None and not jnp.issubdtype(x.dtype, jnp.complexfloating)
 
 
 def _summed_in(x: jax.Array) -> Any:

@@ -21,6 +21,7 @@ overflowed is still seen as non-finite and skipped.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -89,18 +90,19 @@ class Blocks(NamedTuple):
 
 def resolve(what: str, name: str | None, block_size: int) -> Quantization | None:
   """The ``Quantization`` that the option ``what`` (e.g. ``"quantized_weights"``) names."""
+  integral = isinstance(block_size, numbers.Integral) and not isinstance(block_size, bool)
+  if not integral or block_size < 2 or block_size % 2:
+    raise ValueError(
+      f"quantization_block_size must be a positive even int (elements per scale), "
+      f"got {block_size!r}; 256 is ZeRO++'s choice."
+    )
   if name is None:
     return None
   if name not in FORMATS:
     raise ValueError(
       f"{what}={name!r} is not a format zerojax has: pass None or one of {sorted(FORMATS)}."
     )
-  if not isinstance(block_size, int) or block_size < 2 or block_size % 2:
-    raise ValueError(
-      f"quantization_block_size must be a positive even int (elements per scale), "
-      f"got {block_size!r}; 256 is ZeRO++'s choice."
-    )
-  return Quantization(FORMATS[name], block_size)
+  return Quantization(FORMATS[name], int(block_size))
 
 
 def check_stage(stage: int, quantized_weights: Any) -> None:
