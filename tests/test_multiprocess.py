@@ -275,6 +275,37 @@ def test_launcher_gives_up_after_max_restarts_with_the_last_attempts_status():
   assert "exit status 5." in err and "attempt 4" not in err
 
 
+def test_launcher_stops_what_the_processes_left_behind(tmp_path):
+  # A helper a script starts (a data loader, an uploader) lives in the script's
+  # session: it must neither survive the attempt nor hold the launcher open
+  # through the stdout it inherited.
+  code = (
+    "import os, subprocess, sys\n"
+    "helper = subprocess.Popen(['sleep', '60'])\n"
+    f"open(os.path.join({str(tmp_path)!r}, str(helper.pid)), 'w').close()\n"
+    "sys.exit(3 if os.environ['ZEROJAX_ATTEMPT'] == '1' else 0)\n"
+  )
+  begin = time.monotonic()
+  status, err = run_code(code, max_restarts=1)
+  assert status == 0, err
+  assert time.monotonic() - begin < 30
+  helpers = [int(path.name) for path in tmp_path.iterdir()]
+  assert len(helpers) == 4  # 2 processes x 2 attempts
+  deadline = time.monotonic() + 10
+  while any(map(running, helpers)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not any(map(running, helpers))
+
+
+def running(pid: int) -> bool:
+  """Whether ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+  try:
+    with open(f"/proc/{pid}/stat") as stat:
+      return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
 def test_launcher_restarts_a_preempted_group_without_counting_it():
   code = "import os, sys; sys.exit(75 if int(os.environ['ZEROJAX_ATTEMPT']) < 3 else 0)"
   status, err = run_code(code, max_restarts=0)

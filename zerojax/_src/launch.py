@@ -124,7 +124,9 @@ def launch(
   ``[p<id>] ``. As soon as one process fails (non-zero exit or a signal), or
   ``timeout`` passes, or the launcher is interrupted, the others get SIGTERM
   (and SIGCONT, in case they are stopped) and, ``grace_period`` seconds later,
-  SIGKILL.
+  SIGKILL. Each process runs in its own session, and what it started (a data
+  loader, an uploader) is stopped with it when its attempt ends, even if the
+  process itself has exited.
 
   Restarts: after a failure the whole group is started again with the same
   command, up to ``max_restarts`` times; the script resumes from its latest
@@ -215,6 +217,7 @@ def launch(
           f"{left} restart(s) after failures left."
         )
         outcome = _wait(group.processes, deadline, timeout, grace_period, say)
+        _stop(group.processes, grace_period)  # what they started and left behind
         group.join(grace_period)
         if outcome.kind == "preempted":
           say(
@@ -274,7 +277,9 @@ class _Group:
       self.processes.append(process)
       for pipe, sink in zip((process.stdout, process.stderr), self.sinks, strict=True):
         prefix = f"[p{process_id}] "
-        reader = threading.Thread(target=_stream, args=(pipe, sink, prefix, self.lock))
+        # Daemon threads: a pipe held open by something the process left behind
+        # must not keep the launcher from exiting.
+        reader = threading.Thread(target=_stream, args=(pipe, sink, prefix, self.lock), daemon=True)
         reader.start()
         self._readers.append(reader)
 
@@ -378,23 +383,36 @@ def _is_stopped(pid: int) -> bool:
 def _stop(
   processes: list[subprocess.Popen], grace_period: float, first: int = signal.SIGTERM
 ) -> None:
-  """Sends ``first`` to each process's session, then SIGKILL to what is left after the grace."""
+  """Sends ``first`` to each process's session, then SIGKILL to what is left after the grace.
+
+  A session also holds what its process started (a data loader, an uploader),
+  which may outlive the process: it is stopped too.
+  """
   for process in processes:
     _signal_session(process, first)
     _signal_session(process, signal.SIGCONT)  # a stopped process acts on ``first`` only once woken
   deadline = time.monotonic() + grace_period
   for process in processes:
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
       process.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      _signal_session(process, signal.SIGKILL)
-      process.wait()
+  while time.monotonic() < deadline and any(_signal_session(p, 0) for p in processes):
+    time.sleep(_POLL_SECONDS)
+  for process in processes:
+    _signal_session(process, signal.SIGKILL)
+    process.wait()
 
 
-def _signal_session(process: subprocess.Popen, signum: int) -> None:
-  if process.poll() is None:
-    with contextlib.suppress(ProcessLookupError):  # exited since the poll
-      os.killpg(process.pid, signum)
+def _signal_session(process: subprocess.Popen, signum: int) -> bool:
+  """Sends ``signum`` to the process's session; whether anything in it was left to get it.
+
+  The session outlives its leader while what the leader started runs, and its
+  id is not reused until the last of those exits.
+  """
+  try:
+    os.killpg(process.pid, signum)
+  except ProcessLookupError:
+    return False
+  return True
 
 
 def _stream(pipe: TextIO, sink: TextIO, prefix: str, lock: threading.Lock) -> None:
