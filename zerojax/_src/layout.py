@@ -196,7 +196,9 @@ def default_shard_dim(
   (first). A dimension other mesh axes already split (``taken``) is shared
   only when no free one divides: the data axes then split it jointly, and it
   must divide by ``num_shards`` times those axes' size. If nothing divides,
-  the largest free dimension is padded (a taken one if none is free).
+  the largest free dimension is padded (a taken one if none is free). A
+  dimension of size 1 is never chosen: padded, each device would store as much
+  as the whole leaf.
 
   Args:
     shape: the leaf's logical shape.
@@ -205,7 +207,7 @@ def default_shard_dim(
     taken: for dimensions that other mesh axes split, how many ways.
 
   Returns:
-    A negative dimension index, or ``None`` for a scalar.
+    A negative dimension index, or ``None`` (replicate) when no dimension can be split.
 
   Example:
     >>> import zerojax
@@ -213,10 +215,12 @@ def default_shard_dim(
     -2
     >>> zerojax.default_shard_dim((16, 512), 8, taken={1: 2})  # joins a tensor-parallel axis
     -1
+    >>> print(zerojax.default_shard_dim((4096, 1), 8))  # a Dense(1) kernel stays replicated
+    None
   """
   ndim = len(shape)
   taken = taken or {}
-  candidates = [d for d in range(1 if ndim >= 2 else 0, ndim)]
+  candidates = [d for d in range(1 if ndim >= 2 else 0, ndim) if shape[d] > 1]
   if free_dims is not None:
     candidates = [d for d in candidates if d in free_dims]
   free = [d for d in candidates if d not in taken]
