@@ -331,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{jax.device_count()} devices: a multi-process mesh spans them all; drop --devices."
       )
   else:
-    args.devices = args.devices or 8
+    args.devices = args.devices or (math.prod(args.mesh.values()) if args.mesh else 8)
     request_host_devices(args.devices)
   if jax.device_count() < args.devices:
     raise ValueError(
@@ -411,6 +411,13 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
       state = checkpoints.restore()
       params, opt_state, first_step = state["params"], state["opt_state"], int(state["step"]) + 1
       say(f"resumed from step {first_step - 1} in {args.checkpoint_dir}")
+    if first_step > args.steps:  # e.g. a restart loop that runs once more after the last save
+      checkpoints.close()
+      say(
+        f"all --steps {args.steps} are trained (the latest checkpoint is step {first_step - 1}): "
+        f"nothing to do, and {args.out} is left as it is; raise --steps to train further."
+      )
+      return {"first_step": first_step, "train_loss": [], "val_loss": []}
 
   @jax.jit
   def evaluate(params, x, y):

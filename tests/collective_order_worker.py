@@ -9,6 +9,8 @@ its collective rendezvous before zerojax ordered the collectives around loops
 
 ``--without-ordering`` switches the fix off, to measure how often the abort
 happens without it. Prints ``ok <loss>`` and exits 0 when every step ran.
+``--memory`` prints the compiled step's temporaries instead of training, to
+measure what the fix costs.
 """
 
 import argparse
@@ -54,6 +56,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--microbatches", type=int, default=1)
   parser.add_argument("--without-ordering", action="store_true")
+  parser.add_argument("--memory", action="store_true")
   args = parser.parse_args()
   if args.without_ordering:
     ordering.links_needed = lambda mesh: False
@@ -71,6 +74,10 @@ def main() -> None:
     return optax.apply_updates(params, updates), state, loss
 
   x = jax.device_put(np.ones((64, 512), np.float32), NamedSharding(mesh, P("data")))
+  if args.memory:
+    temporaries = step.lower(params, state, x).compile().memory_analysis().temp_size_in_bytes
+    print(f"temporaries {temporaries / 1e6:.1f} MB", flush=True)
+    return
   for _ in range(args.steps):
     params, state, loss = step(params, state, x)
     loss.block_until_ready()

@@ -59,6 +59,12 @@ def test_train_lm_resumes_where_it_stopped(tmp_path):
   assert resumed["train_loss"] == straight["train_loss"][3:]
   final = [zerojax.load_params(tmp_path / name, step=6) for name in ("straight", "resumed")]
   jax.tree.map(np.testing.assert_array_equal, *final)
+  # Resumed once more after the last step (a restart loop's extra round): nothing
+  # trains, and the finished run's outputs stay as they were.
+  written = (tmp_path / "metrics.json").read_text()
+  again = train_lm.main([*flags, "--checkpoint-dir", str(tmp_path / "resumed"), "--resume"])
+  assert again["first_step"] == 7 and again["train_loss"] == []
+  assert (tmp_path / "metrics.json").read_text() == written
 
 
 @pytest.fixture(scope="module")

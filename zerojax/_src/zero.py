@@ -142,7 +142,7 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
-    """The axes a batch is split over: replica axes first, then data axes.
+    """The axes a batch is split over (the replica axes first, then the data axes).
 
     Place a batch with ``NamedSharding(mesh, P(tx.batch_axes))``.
     """
