@@ -30,6 +30,9 @@ class _Notice:
   def __init__(self):
     self.received = False
     self.previous: Any = signal.SIG_DFL
+    # Stopped on another process's notice, before this one's own arrived: when
+    # it does, it is that notice (already acted on), not a second one.
+    self.awaiting_own = False
 
 
 _notice = _Notice()
@@ -62,7 +65,10 @@ def preemption_requested(step: int) -> bool:
   process from the first call on, only asks it to stop, as JAX's own handler
   does in the first case; a previously installed Python handler is still
   called. Once it has returned ``True``, the previous handler is back in place,
-  so a second SIGTERM during the final save ends the process as before.
+  so a second SIGTERM during the final save ends the process as before. (A
+  process that stopped on another's notice before its own SIGTERM arrived puts
+  it back when that SIGTERM comes: the usual preemption signals every process,
+  not always at the same instant, and the late one must not end the save.)
 
   Args:
     step: the step just finished.
@@ -103,13 +109,20 @@ def preemption_requested(step: int) -> bool:
     flags = multihost_utils.process_allgather(np.int32(received))
     received = bool(np.any(flags))
   if received:
+    if _notice.received:
+      _stop_listening()
+    else:
+      _notice.awaiting_own = True
     _notice.received = False
-    _stop_listening()
   return received
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-  _notice.received = True
+  if _notice.awaiting_own:
+    _notice.awaiting_own = False
+    _stop_listening()
+  else:
+    _notice.received = True
   if callable(_notice.previous):
     _notice.previous(signum, frame)
 
