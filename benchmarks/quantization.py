@@ -377,15 +377,16 @@ def parse_run(text: str) -> Run:
 
   The ``@`` suffix sets the block size (elements per scale).
   """
-  formats, _, block = text.partition("@")
+  formats, at, block = text.partition("@")
   weights, _, gradients = formats.partition("/")
-  run = Run(weights, gradients or weights, int(block) if block.isdigit() else 0)
-  if not {run.weights, run.gradients} <= set(quantize.FORMATS) or (block and not run.block_size):
+  gradients = gradients or weights
+  sized = not at or (block.isdigit() and int(block) > 0)
+  if not {weights, gradients} <= set(quantize.FORMATS) or not sized:
     raise argparse.ArgumentTypeError(
       f"{text!r}: give a format for both ({', '.join(quantize.FORMATS)}) or weights/gradients, "
       "e.g. int8/int4, optionally with a block size, e.g. int4@32"
     )
-  return run if block else run._replace(block_size=quantize.DEFAULT_BLOCK_SIZE)
+  return Run(weights, gradients, int(block) if at else quantize.DEFAULT_BLOCK_SIZE)
 
 
 def lm_step_volume(train_lm, run: Run, devices: int) -> tuple[float, int]:
