@@ -98,7 +98,7 @@ def test_options_are_checked():
   tx = zerojax.zero1(
     optax.sgd(0.1), mesh=mesh, quantized_gradients="int8", quantization_block_size=np.int64(64)
   )
-  assert tx.gradient_quantization == quantize.Quantization(8, 64)
+  assert tx.quantized_gradients == quantize.Quantization(8, 64)
 
 
 # --------------------------------------------------------------------- collectives

@@ -18,7 +18,8 @@ from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
 from zerojax._src.preemption import PREEMPTED_EXIT_CODE, preemption_requested
 from zerojax._src.profile import StepProfile, profile
 from zerojax._src.quantize import Quantization
-from zerojax._src.zero import ZeroState, ZeroTransformation, zero1, zero2, zero3
+from zerojax._src.state import ZeroState
+from zerojax._src.zero import ZeroTransformation, zero1, zero2, zero3
 
 __version__ = "0.1.0"
 
