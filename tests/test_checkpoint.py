@@ -1,11 +1,13 @@
 """Checkpoints: round trips, restoring onto other device counts and stages, errors, crashes."""
 
+import functools
 import os
 import pathlib
 import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +16,12 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import CheckpointManager, train_state_spec
+from zerojax import CheckpointManager, StateSpec, train_state_spec
 
 STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
 WORKER = pathlib.Path(__file__).with_name("checkpoint_worker.py")
+# jax.make_mesh's default (explicit sharding in types) and the compiler-decides kind.
+AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
 
 # "w" has no dimension that 2, 4 or 8 divides, so its stored shape changes with
 # the device count (and stage 1 stores the params unpadded); "b" never pads;
@@ -29,14 +33,19 @@ MODEL = {
 }
 
 
-def make_tx(num_devices: int, stage: int):
+@functools.cache
+def make_tx(num_devices: int, stage: int, precision: str | None = None, axis_type: str = "auto"):
+  """One transformation per setting, shared by the tests (and its compiled steps with it).
+
+  Without ``precision``, every leaf is kept in its own dtype.
+  """
   mesh = jax.make_mesh(
     (num_devices,),
     ("data",),
     devices=jax.devices()[:num_devices],
-    axis_types=(jax.sharding.AxisType.Auto,),
+    axis_types=(AXIS_TYPES[axis_type],),
   )
-  return STAGES[stage](optax.adam(1e-2), mesh=mesh)
+  return STAGES[stage](optax.adam(1e-2), mesh=mesh, precision=precision)
 
 
 def trained_state(tx, steps: int = 2):
@@ -57,12 +66,58 @@ def trained_state(tx, steps: int = 2):
   }
 
 
+@functools.cache
+def trained(*setting) -> tuple[Any, StateSpec]:
+  """``trained_state`` and its spec for ``make_tx(*setting)``, made once per setting."""
+  tx = make_tx(*setting)
+  return trained_state(tx), spec_for(tx)
+
+
+def random_state(spec: StateSpec) -> Any:
+  """A state of ``spec`` with random values in every leaf, without compiling a step.
+
+  Padding is zeros, and a separate master copy's parameters are that copy
+  rounded to their dtype, as ``tx.shard`` makes them: what a restore remakes.
+  """
+  rng = np.random.default_rng(0)
+
+  def fill(logical, stored):
+    if jnp.issubdtype(logical.dtype, jnp.floating):
+      values = rng.standard_normal(logical.shape).astype(logical.dtype)
+    else:
+      values = rng.integers(0, 100, logical.shape).astype(logical.dtype)
+    return pad_to(values, stored)
+
+  state = jax.tree.map(fill, spec.logical, spec.stored)
+  master = state["opt_state"].master
+  if master is not None:
+    params = jax.tree.map(
+      lambda x, struct: pad_to(x.astype(struct.dtype), struct),
+      unpadded(master, spec.logical["params"]),
+      spec.stored["params"],
+    )
+    state = {**state, "params": params}
+  return state
+
+
+def pad_to(values: np.ndarray, stored: jax.ShapeDtypeStruct) -> jax.Array:
+  """``values`` zero-padded at the end of each dimension to ``stored``'s shape, placed as it."""
+  padded = np.zeros(stored.shape, values.dtype)
+  padded[tuple(slice(0, n) for n in values.shape)] = values
+  return jax.device_put(padded, stored.sharding)
+
+
 def spec_for(tx):
   return train_state_spec(tx, MODEL, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
 
 
 def logical_values(state, spec):
-  """Every leaf on the host, padding sliced off; checks the padding is zeros."""
+  """Every leaf of ``state`` on the host, padding sliced off; checks the padding is zeros."""
+  return unpadded(state, spec.logical)
+
+
+def unpadded(tree, logical):
+  """Every leaf on the host, cut to ``logical``'s shapes; checks what is cut off is zeros."""
 
   def unpad(x, logical):
     x = np.asarray(x)
@@ -72,7 +127,7 @@ def logical_values(state, spec):
     assert not padding.any(), "padding must stay zeros"
     return x[inside]
 
-  return jax.tree.map(unpad, state, spec.logical)
+  return jax.tree.map(unpad, tree, logical)
 
 
 def assert_same(actual, expected):
@@ -92,9 +147,12 @@ def assert_placed(state, spec):
     assert x.sharding.is_equivalent_to(struct.sharding, x.ndim)
 
 
-def test_round_trip_is_bit_identical(tmp_path):
-  tx = make_tx(8, 3)
-  state, spec = trained_state(tx), spec_for(tx)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_round_trip_is_bit_identical(tmp_path, axis_type, stage, precision):
+  spec = spec_for(make_tx(8, stage, precision, axis_type))
+  state = random_state(spec)
   with CheckpointManager(tmp_path, spec) as checkpoints:
     assert checkpoints.save(2, state)
   with CheckpointManager(tmp_path, spec) as checkpoints:
@@ -104,28 +162,48 @@ def test_round_trip_is_bit_identical(tmp_path):
   assert_same(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, state))
 
 
-@pytest.mark.parametrize(
-  "hops",
-  [
-    [(8, 3), (4, 3), (2, 3), (1, 3)],
-    [(2, 3), (8, 3)],
-    [(8, 3), (8, 1), (8, 3)],
-    [(8, 2), (4, 1), (2, 3)],
-  ],
-  ids=["8-4-2-1", "2-8", "stage3-1-3", "stage2-1-3"],
-)
-def test_restore_onto_other_device_counts_and_stages(tmp_path, hops):
-  tx = make_tx(*hops[0])
-  state, spec = trained_state(tx), spec_for(tx)
-  expected = logical_values(state, spec)
+def master_and_rest(state, spec, tx):
+  """The master parameters, and the rest of the state without any copy of the parameters."""
+  values = logical_values(state, spec)
+  master = tx.master_params(values["params"], values["opt_state"])
+  rest = {**values, "params": None, "opt_state": values["opt_state"]._replace(master=None)}
+  return master, rest
+
+
+# Each list is a run saved and restored by the next setting, (device count,
+# stage): device counts, stages, and with a lower compute dtype the master copy
+# moving between the optimizer state (stages 1-2) and the parameters (stage 3).
+HOPS = {
+  "fp32-8-4-1-2-8": ("fp32", [(8, 3), (4, 3), (1, 3), (2, 3), (8, 3)]),
+  "fp32-stage3-1-3-2-3": ("fp32", [(8, 3), (8, 1), (4, 3), (2, 2), (8, 3)]),
+  "bf16-stage1-3-1-2-3-2": ("bf16", [(8, 1), (4, 3), (2, 1), (8, 2), (4, 3), (2, 2)]),
+  "fp16-stage3-2-1-3": ("fp16", [(8, 3), (2, 2), (4, 1), (8, 3)]),
+}
+
+
+@pytest.mark.parametrize("hops", HOPS)
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_restore_onto_other_device_counts_and_stages(tmp_path, axis_type, hops):
+  precision, hops = HOPS[hops]
+  state, spec = trained(*hops[0], precision, axis_type)
+  tx = make_tx(*hops[0], precision, axis_type)
+  expected_master, expected_rest = master_and_rest(state, spec, tx)
+  if precision == "fp16":  # the loss scale moves too
+    assert state["opt_state"].loss_scale is not None
   for hop, (num_devices, stage) in enumerate(hops[1:]):
     with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
       checkpoints.save(0, state)
-    spec = spec_for(make_tx(num_devices, stage))
+    tx = make_tx(num_devices, stage, precision, axis_type)
+    spec = spec_for(tx)
     with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
       state = checkpoints.restore()
     assert_placed(state, spec)
-    assert_same(logical_values(state, spec), expected)
+    master, rest = master_and_rest(state, spec, tx)
+    assert_same(master, expected_master)
+    assert_same(rest, expected_rest)
+    # The params are the master copy as tx.shard places it (rounded to the compute dtype).
+    rounded = tx.shard(jax.tree.map(jnp.asarray, expected_master))
+    assert_same(logical_values(state, spec)["params"], unpadded(rounded, spec.logical["params"]))
 
 
 def test_keeps_the_last_k_and_saves_every_interval(tmp_path):
@@ -257,58 +335,11 @@ def test_a_run_killed_mid_save_resumes_to_the_same_params(tmp_path):
     np.testing.assert_array_equal(resumed[name], whole[name], strict=True)
 
 
-def mixed_precision(num_devices: int, stage: int, precision: str):
-  tx = STAGES[stage](optax.adam(1e-2), mesh=make_tx(num_devices, stage).mesh, precision=precision)
-  return tx, spec_for(tx)
-
-
-def test_loss_scale_and_master_copy_restore_onto_other_device_counts(tmp_path):
-  tx, spec = mixed_precision(8, 2, "fp16")
-  state = trained_state(tx)
-  assert state["opt_state"].loss_scale is not None and state["opt_state"].master is not None
-  with CheckpointManager(tmp_path, spec) as checkpoints:
-    checkpoints.save(0, state)
-  _, spec4 = mixed_precision(4, 2, "fp16")
-  with CheckpointManager(tmp_path, spec4) as checkpoints:
-    restored = checkpoints.restore()
-  assert_placed(restored, spec4)
-  assert_same(logical_values(restored, spec4), logical_values(state, spec))
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("hops", [[(8, 1), (4, 3), (2, 2)], [(2, 3), (8, 2)]], ids=["1-3-2", "3-2"])
-def test_the_master_copy_moves_between_state_and_params_across_stages(tmp_path, hops, precision):
-  """Stages 1-2 keep a master copy beside rounded params, stage 3 none: a restore moves it."""
-
-  def master_and_rest(state, spec, tx):
-    values = logical_values(state, spec)
-    master = tx.master_params(values["params"], values["opt_state"])
-    rest = {**values, "params": None, "opt_state": values["opt_state"]._replace(master=None)}
-    return master, rest
-
-  tx, spec = mixed_precision(*hops[0], precision)
-  state = trained_state(tx)
-  expected_master, expected_rest = master_and_rest(state, spec, tx)
-  for hop, (num_devices, stage) in enumerate(hops[1:]):
-    with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
-      checkpoints.save(0, state)
-    tx, spec = mixed_precision(num_devices, stage, precision)
-    with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
-      state = checkpoints.restore()
-    assert_placed(state, spec)
-    master, rest = master_and_rest(state, spec, tx)
-    assert_same(master, expected_master)
-    assert_same(rest, expected_rest)
-    if stage != 3:  # the params are the master rounded to the compute dtype, as tx.shard makes them
-      rounded = jax.tree.map(np.asarray, tx.shard(jax.tree.map(jnp.asarray, expected_master)))
-      assert_same(logical_values(state, spec)["params"], rounded)
-
-
 def test_a_checkpoint_of_another_precision_policy_names_what_differs(tmp_path):
-  tx, spec = mixed_precision(8, 2, "fp16")
+  spec = spec_for(make_tx(8, 2, "fp16"))
   with CheckpointManager(tmp_path, spec) as checkpoints:
-    checkpoints.save(0, trained_state(tx))
-  _, bf16 = mixed_precision(8, 3, "bf16")
+    checkpoints.save(0, random_state(spec))
+  bf16 = spec_for(make_tx(8, 3, "bf16"))
   with (
     CheckpointManager(tmp_path, bf16) as checkpoints,
     pytest.raises(

@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src import mesh as mesh_lib
 from zerojax._src import zero as zero_lib
 
 #: How a leaf is described in a checkpoint: its logical shape and dtype name.
@@ -315,9 +316,15 @@ def _rounded(master: Any, logical: Any, stored: Any) -> Any:
     return jnp.pad(x, [(0, want - have) for want, have in zip(struct.shape, x.shape, strict=True)])
 
   shardings = jax.tree.map(lambda struct: struct.sharding, stored)
-  return jax.jit(
-    lambda master: jax.tree.map(round_leaf, master, logical, stored), out_shardings=shardings
-  )(master)
+  mesh = jax.tree.leaves(shardings)[0].mesh
+  # In the global view: on explicit axes, slicing a padded dimension that the
+  # master copy splits over the data axis is a sharding-type error outside it.
+  round_all = mesh_lib.global_view(
+    mesh,
+    lambda master: jax.tree.map(round_leaf, master, logical, stored),
+    jax.tree.map(lambda sharding: sharding.spec, shardings),
+  )
+  return jax.jit(round_all, out_shardings=shardings)(master)
 
 
 def at(tree: Any, keys: Sequence[str | int]) -> Any:
