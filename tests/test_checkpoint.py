@@ -1,8 +1,12 @@
-"""Checkpoints: round trips, restoring onto other device counts and stages, errors, crashes."""
+"""Checkpoints: round trips on both kinds of mesh axes, restoring onto other device counts and
+stages, each part of the manager alone (the layout record, the restore verdicts and the process
+vote, the master copy's moves), bad directories, damage and crashes."""
 
 import functools
+import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +21,10 @@ import pytest
 
 import zerojax
 from zerojax import CheckpointManager, StateSpec, train_state_spec
+from zerojax._src import checkpoint_master as master_lib
+from zerojax._src import checkpoint_record as record_lib
+from zerojax._src import checkpoint_verdict as verdict_lib
+from zerojax._src.checkpoint_verdict import Verdict
 
 STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
 WORKER = pathlib.Path(__file__).with_name("checkpoint_worker.py")
@@ -107,8 +115,8 @@ def pad_to(values: np.ndarray, stored: jax.ShapeDtypeStruct) -> jax.Array:
   return jax.device_put(padded, stored.sharding)
 
 
-def spec_for(tx):
-  return train_state_spec(tx, MODEL, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
+def spec_for(tx, model=MODEL):
+  return train_state_spec(tx, model, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
 
 
 def logical_values(state, spec):
@@ -207,8 +215,8 @@ def test_restore_onto_other_device_counts_and_stages(tmp_path, axis_type, hops):
 
 
 def test_keeps_the_last_k_and_saves_every_interval(tmp_path):
-  tx = make_tx(8, 3)
-  state, spec = trained_state(tx, steps=0), spec_for(tx)
+  spec = spec_for(make_tx(8, 3))
+  state = random_state(spec)
   with CheckpointManager(tmp_path, spec, max_to_keep=2, save_interval_steps=2) as checkpoints:
     saved = [checkpoints.save(step, state) for step in range(7)]
     assert checkpoints.save(7, state, force=True)
@@ -220,14 +228,15 @@ def test_keeps_the_last_k_and_saves_every_interval(tmp_path):
 
 def test_a_mismatched_checkpoint_names_what_differs(tmp_path):
   tx = make_tx(8, 3)
-  with CheckpointManager(tmp_path, spec_for(tx)) as checkpoints:
-    checkpoints.save(0, trained_state(tx, steps=0))
+  spec = spec_for(tx)
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    checkpoints.save(0, random_state(spec))
   other = {
     "w": jax.ShapeDtypeStruct((5, 1000), jnp.float32),  # another shape
     "b": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),  # another dtype
     "bias": jax.ShapeDtypeStruct((3,), jnp.float32),  # "scale" renamed
   }
-  spec = train_state_spec(tx, other, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
+  spec = spec_for(tx, other)
   with CheckpointManager(tmp_path, spec) as checkpoints, pytest.raises(ValueError) as error:
     checkpoints.restore()
   message = str(error.value)
@@ -237,18 +246,218 @@ def test_a_mismatched_checkpoint_names_what_differs(tmp_path):
   assert "['params']['bias']: in the spec, not in the checkpoint" in message
   assert "['params']['scale']: in the checkpoint, not in the spec" in message
   assert ".mu['w']: shape (5, 1001)" in message  # the optimizer state is checked too
+  assert sorted(os.listdir(tmp_path)) == ["0"]  # a misfit is not damage: nothing is renamed
+
+
+def test_a_checkpoint_of_another_precision_policy_names_what_differs(tmp_path):
+  spec = spec_for(make_tx(8, 2, "fp16"))
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    checkpoints.save(0, random_state(spec))
+  bf16 = spec_for(make_tx(8, 3, "bf16"))
+  with (
+    CheckpointManager(tmp_path, bf16) as checkpoints,
+    pytest.raises(
+      ValueError, match=r"\['opt_state'\]\.loss_scale\.scale: in the checkpoint, not in"
+    ),
+  ):
+    checkpoints.restore()
 
 
 def test_saving_a_state_of_another_spec_raises(tmp_path):
-  tx = make_tx(8, 3)
-  state = trained_state(tx, steps=0)
-  state["step"] = jnp.float32(0)
+  spec = spec_for(make_tx(8, 3))
+  state = {**random_state(spec), "step": jnp.float32(0)}
   with (
-    CheckpointManager(tmp_path, spec_for(tx)) as checkpoints,
+    CheckpointManager(tmp_path, spec) as checkpoints,
     pytest.raises(ValueError, match=r"\['step'\]: dtype float32 in the state, int32 in the spec"),
   ):
     checkpoints.save(0, state)
   assert os.listdir(tmp_path) == []
+
+
+# The layout record alone: what fits is a function of two records.
+
+SETTINGS = [(8, 3), (4, 1), (2, 2), (1, 3)]
+
+
+def saved_record(setting) -> record_lib.Record:
+  """The layout record a checkpoint of ``make_tx(*setting)`` holds, as read back from JSON."""
+  spec = spec_for(make_tx(*setting))
+  return json.loads(json.dumps(record_lib.layout_record(spec.logical, spec.master_path)))
+
+
+@pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
+def test_records_fit_across_device_counts_stages_and_axis_types(precision):
+  settings = [(*s, precision, axis) for s in SETTINGS for axis in AXIS_TYPES]
+  records = [saved_record(setting) for setting in settings]
+  for spec in records:
+    for saved in records:
+      assert record_lib.misfits(spec, saved) == []
+
+
+def test_records_of_another_policy_or_model_list_each_difference():
+  fp16, bf16 = saved_record((8, 2, "fp16")), saved_record((8, 2, "bf16"))
+  assert record_lib.misfits(bf16, fp16) == [
+    f"['opt_state'].loss_scale.{name}: in the checkpoint, not in the spec"
+    for name in sorted(zerojax.LossScaleState._fields)
+  ]
+  # A bf16 run's master copy is float32, as a float32 run's params are: it fits either way.
+  assert record_lib.misfits(saved_record((8, 3)), bf16) == []
+  assert record_lib.misfits(bf16, saved_record((4, 1))) == []
+  bigger = spec_for(make_tx(8, 3), {**MODEL, "w": jax.ShapeDtypeStruct((5, 1002), jnp.float32)})
+  assert record_lib.misfits(
+    record_lib.layout_record(bigger.logical, bigger.master_path), saved_record((8, 3))
+  ) == [
+    f"{path}: shape (5, 1001) in the checkpoint, (5, 1002) in the spec"
+    for path in [
+      "['opt_state'].inner_state[0].mu['w']",
+      "['opt_state'].inner_state[0].nu['w']",
+      "['params']['w']",
+    ]
+  ]
+
+
+def test_a_long_list_of_differences_is_cut_at_twenty():
+  lines = [f"leaf{i}: in the spec, not in the state" for i in range(25)]
+  message = str(record_lib.listed_error("the state does not match", lines, "Fix it."))
+  assert message.splitlines() == [
+    "the state does not match:",
+    *(f"  {line}" for line in lines[:20]),
+    "  ... and 5 more",
+    "Fix it.",
+  ]
+
+
+# The restore verdicts and the process vote alone, with fake processes.
+
+R, D, M = Verdict.READ, Verdict.DAMAGED, Verdict.MISFIT
+
+
+@pytest.mark.parametrize(
+  ("verdicts", "process", "agreed", "message"),
+  [
+    ([R, R, R, R], 0, R, None),
+    ([R, D, R, D], 0, D, "step 3 could not be read on process(es) [1, 3]; their errors say why."),
+    ([R, D, R, D], 1, D, "own"),
+    ([D, M, R, M], 0, M, "step 3 does not fit this manager's spec on process(es) [1, 3];"),
+    ([D, M, R, M], 2, M, "step 3 does not fit this manager's spec on process(es) [1, 3];"),
+    ([M, D], 0, M, "own"),
+  ],
+)
+def test_the_vote_takes_the_worst_verdict_and_names_who_reached_it(
+  monkeypatch, verdicts, process, agreed, message
+):
+  own_error = None if verdicts[process] == R else ValueError("own")
+  monkeypatch.setattr(verdict_lib, "on_every_process", lambda value: np.array(verdicts))
+  verdict, error = verdict_lib.vote(verdicts[process], own_error, "step 3")
+  assert verdict is agreed
+  if message is None:
+    assert error is None
+  else:
+    assert str(error).startswith(message)
+    assert (error is own_error) == (message == "own")
+
+
+def test_the_walk_back_skips_damaged_checkpoints_and_stops_at_a_misfit():
+  tried = []
+
+  def read(step):
+    tried.append(step)
+    if step == 40:
+      raise ValueError("misfit")
+    return ("state", None) if step <= 20 else (None, ValueError(f"damaged {step}"))
+
+  state, step, damaged = verdict_lib.latest_readable([10, 20, 30, 35], read, "ckpt")
+  assert (state, step, tried) == ("state", 20, [35, 30, 20])
+  assert [(s, str(error)) for s, error in damaged] == [(35, "damaged 35"), (30, "damaged 30")]
+  with pytest.raises(ValueError, match=r"damaged 35 None of the earlier checkpoints \[30\] could"):
+    verdict_lib.latest_readable([30, 35], read, "ckpt")
+  with pytest.raises(ValueError, match=r"^damaged 30$"):
+    verdict_lib.latest_readable([30], read, "ckpt")
+  tried.clear()
+  with pytest.raises(ValueError, match="misfit"):
+    verdict_lib.latest_readable([10, 40], read, "ckpt")
+  assert tried == [40]  # an earlier checkpoint of the same run would not fit either
+  with pytest.raises(FileNotFoundError, match="no checkpoints in ckpt"):
+    verdict_lib.latest_readable([], read, "ckpt")
+
+
+# The master copy's moves alone, between the places stages keep it.
+
+
+@pytest.mark.parametrize("saved", [1, 2, 3])
+@pytest.mark.parametrize("target", [1, 2, 3])
+def test_the_master_copy_is_read_where_saved_and_moved_where_the_spec_keeps_it(target, saved):
+  spec, saved_spec = (spec_for(make_tx(8, stage, "bf16")) for stage in (target, saved))
+  plan = master_lib.reading_plan(spec, saved_spec.master_path)
+  # What is read: the checkpoint's master copy, into the spec's master shardings, and no
+  # rounded params (a restore remakes them).
+  assert master_lib.at(plan, saved_spec.master_path) is master_lib.at(spec.stored, spec.master_path)
+  assert ("params" in plan) == (saved == 3)
+  if target != 3:
+    assert plan["opt_state"].master is None or saved != 3
+  # Moved back, every leaf is where the spec has it; params are left to be rounded.
+  state = master_lib.master_in_place(spec, saved_spec.master_path, plan)
+  expected = spec.stored if target == 3 else {**spec.stored, "params": None}
+  assert jax.tree.structure(state) == jax.tree.structure(expected)
+  assert all(a is b for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True))
+
+
+def test_at_and_replaced_walk_dicts_named_tuples_lists_and_tuples():
+  tree = {"opt_state": optax.ScaleByAdamState(count=0, mu=[1, (2, 3)], nu=None)}
+  new = master_lib.replaced(tree, ("opt_state", "mu", 1, 0), "x")
+  assert master_lib.at(new, ("opt_state", "mu", 1)) == ("x", 3)
+  assert tree == {"opt_state": optax.ScaleByAdamState(count=0, mu=[1, (2, 3)], nu=None)}
+  assert master_lib.replaced(tree, (), "all") == "all"
+  assert master_lib.at(master_lib.replaced({}, ("params",), 1), ("params",)) == 1
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_rounded_params_are_the_master_copy_cut_and_cast(axis_type):
+  spec = spec_for(make_tx(8, 2, "bf16", axis_type))
+  master = random_state(spec)["opt_state"].master
+  assert master["w"].shape == (5, 1008)  # padded, split over the data axis
+  params = master_lib.rounded(master, spec.logical["params"], spec.stored["params"])
+  assert_placed({"params": params}, spec._replace(stored={"params": spec.stored["params"]}))
+  expected = jax.tree.map(
+    lambda x: x.astype(jnp.bfloat16), unpadded(master, spec.logical["params"])
+  )
+  assert_same(jax.tree.map(np.asarray, params), expected)
+
+
+# Damage and crashes.
+
+
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_one_before_restored(tmp_path):
+  spec = spec_for(make_tx(8, 3))
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    for step in (1, 2):
+      checkpoints.save(step, {**random_state(spec), "step": jnp.int32(step)})
+  for path in (tmp_path / "2" / "layout").iterdir():
+    path.unlink()
+  (tmp_path / "2.damaged").mkdir()  # set aside before: kept
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    with pytest.warns(
+      UserWarning,
+      match=r"step 2 \(checkpoint step 2 .* no readable layout record .* moved to .*2\.damaged2\. "
+      "Restored step 1",
+    ):
+      assert int(checkpoints.restore()["step"]) == 1
+    assert checkpoints.all_steps() == [1]
+  assert sorted(os.listdir(tmp_path)) == ["1", "2.damaged", "2.damaged2"]
+
+
+def test_a_damaged_checkpoint_with_none_before_it_raises_and_stays(tmp_path):
+  spec = spec_for(make_tx(8, 3))
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    checkpoints.save(0, random_state(spec))
+  for path in (tmp_path / "0" / "layout").iterdir():
+    path.unlink()
+  with (
+    CheckpointManager(tmp_path, spec) as checkpoints,
+    pytest.raises(FileNotFoundError, match="no readable layout record"),
+  ):
+    checkpoints.restore()
+  assert os.listdir(tmp_path) == ["0"]
 
 
 def run_worker(*args, **popen):
@@ -261,11 +470,20 @@ def run_worker(*args, **popen):
   )
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_a_damaged_checkpoint_raises_instead_of_restoring_part(tmp_path, damage):
-  output, _ = run_worker("train", tmp_path, 1).communicate(timeout=120)
+@pytest.fixture(scope="module")
+def worker_checkpoint(tmp_path_factory):
+  """A directory with the worker's checkpoint of step 1 (and its final.npz), made once."""
+  directory = tmp_path_factory.mktemp("worker")
+  output, _ = run_worker("train", directory, 1).communicate(timeout=120)
   assert "saving 1" in output, output
-  data = [path for path in (tmp_path / "1" / "state").rglob("*") if path.parent.name == "d"]
+  return directory
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_checkpoint_raises_instead_of_restoring_part(tmp_path, worker_checkpoint, damage):
+  directory = tmp_path / "checkpoints"
+  shutil.copytree(worker_checkpoint, directory)
+  data = [path for path in (directory / "1" / "state").rglob("*") if path.parent.name == "d"]
   largest = max(data, key=lambda path: path.stat().st_size)
   if damage == "truncate":
     os.truncate(largest, largest.stat().st_size // 2)
@@ -274,33 +492,10 @@ def test_a_damaged_checkpoint_raises_instead_of_restoring_part(tmp_path, damage)
   # In its own process: after a failed read, Orbax leaves unfinished reads that
   # Python reports when they are collected, which pytest would pin on some
   # later test.
-  output, _ = run_worker("restore", tmp_path).communicate(timeout=120)
+  output, _ = run_worker("restore", directory).communicate(timeout=120)
   assert "error: checkpoint step 1" in output and "could not be read in full" in output, output
   # With nothing earlier to fall back to, it stays where it is (no resume from scratch).
-  assert sorted(os.listdir(tmp_path)) == ["1", "final.npz"]
-
-
-def test_a_checkpoint_without_its_layout_record_raises(tmp_path):
-  tx = make_tx(8, 3)
-  spec = spec_for(tx)
-  with CheckpointManager(tmp_path, spec) as checkpoints:
-    checkpoints.save(0, trained_state(tx, steps=0))
-  for path in (tmp_path / "0" / "layout").iterdir():
-    path.unlink()
-  with (
-    CheckpointManager(tmp_path, spec) as checkpoints,
-    pytest.raises(FileNotFoundError, match="no readable layout record"),
-  ):
-    checkpoints.restore()
-
-
-def test_restoring_a_missing_step_raises(tmp_path):
-  tx = make_tx(8, 3)
-  with (
-    CheckpointManager(tmp_path, spec_for(tx)) as checkpoints,
-    pytest.raises(FileNotFoundError, match=r"no checkpoint for step None .* steps \[\]"),
-  ):
-    checkpoints.restore()
+  assert sorted(os.listdir(directory)) == ["1", "final.npz"]
 
 
 def test_a_run_killed_mid_save_resumes_to_the_same_params(tmp_path):
@@ -333,17 +528,3 @@ def test_a_run_killed_mid_save_resumes_to_the_same_params(tmp_path):
   assert sorted(whole) == sorted(resumed) == ["big", "w"]
   for name in whole:
     np.testing.assert_array_equal(resumed[name], whole[name], strict=True)
-
-
-def test_a_checkpoint_of_another_precision_policy_names_what_differs(tmp_path):
-  spec = spec_for(make_tx(8, 2, "fp16"))
-  with CheckpointManager(tmp_path, spec) as checkpoints:
-    checkpoints.save(0, random_state(spec))
-  bf16 = spec_for(make_tx(8, 3, "bf16"))
-  with (
-    CheckpointManager(tmp_path, bf16) as checkpoints,
-    pytest.raises(
-      ValueError, match=r"\['opt_state'\]\.loss_scale\.scale: in the checkpoint, not in"
-    ),
-  ):
-    checkpoints.restore()

@@ -26,7 +26,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zerojax._src import checkpoint as checkpoint_lib
+from zerojax._src import checkpoint_directory as directory_lib
+from zerojax._src import checkpoint_master as master_lib
+from zerojax._src import checkpoint_spec as spec_lib
 
 _SAFETENSORS_DTYPES = {
   "float64": "F64",
@@ -75,11 +77,11 @@ def _master_leaves(directory: str | os.PathLike, step: int | None):
     )
   with (
     _quiet(_READ_ONLY_NOTICE),
-    checkpoint_lib.orbax_manager(
+    directory_lib.open_manager(
       directory, read_only=True, create=False, save_interval_steps=0
     ) as manager,
   ):
-    step, layout = checkpoint_lib.read_layout(manager, step)
+    step, layout = directory_lib.read_layout(manager, step)
     prefix = layout["master_path"]
     leaves = [
       _Leaf(
@@ -91,7 +93,7 @@ def _master_leaves(directory: str | os.PathLike, step: int | None):
     # The containers as Orbax saved them (tuples become lists), which a read's
     # template must repeat.
     saved = manager.item_metadata(step)["state"].tree
-    yield leaves, functools.partial(_read, manager, step, saved), checkpoint_lib.at(saved, prefix)
+    yield leaves, functools.partial(_read, manager, step, saved), master_lib.at(saved, prefix)
 
 
 # Orbax logs this warning whenever a read-only manager is made or used: what
@@ -119,7 +121,7 @@ def _read(manager: ocp.CheckpointManager, step: int, saved: Any, leaf: _Leaf) ->
     item=_only(saved, leaf.keys, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)),
     restore_args=_only(saved, leaf.keys, restore_args),
   )
-  restored = checkpoint_lib.at(
+  restored = master_lib.at(
     manager.restore(step, args=ocp.args.Composite(state=args))["state"], leaf.keys
   )
   array = np.asarray(restored)
@@ -137,7 +139,7 @@ def _only(saved: Any, keys: list[str | int], value: Any) -> Any:
   if not keys:
     return value
   template = jax.tree.map(lambda _: ocp.PLACEHOLDER, saved)
-  parent = checkpoint_lib.at(template, keys[:-1])
+  parent = master_lib.at(template, keys[:-1])
   parent[keys[-1]] = value
   return template
 
@@ -171,7 +173,7 @@ def load_params(directory: str | os.PathLike, *, step: int | None = None) -> Any
   with _master_leaves(directory, step) as (leaves, read, saved):
     by_name = {tuple(leaf.name): leaf for leaf in leaves}
     return jax.tree_util.tree_map_with_path(
-      lambda path, _: read(by_name[tuple(checkpoint_lib.key_name(key) for key in path)]), saved
+      lambda path, _: read(by_name[tuple(spec_lib.key_name(key) for key in path)]), saved
     )
 
 
