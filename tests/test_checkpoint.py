@@ -424,6 +424,72 @@ def test_rounded_params_are_the_master_copy_cut_and_cast(axis_type):
   assert_same(jax.tree.map(np.asarray, params), expected)
 
 
+# Directories that are not what they should be: a clear error or a warning, and no data lost.
+
+
+def test_a_file_is_refused_as_a_checkpoint_directory(tmp_path):
+  spec = spec_for(make_tx(8, 3))
+  file = tmp_path / "notes.txt"
+  file.write_text("keep me")
+  for directory in (file, file / "checkpoints"):
+    with pytest.raises(ValueError, match=f"checkpoints go in a directory, but {file} is a file"):
+      CheckpointManager(directory, spec)
+    with pytest.raises(ValueError, match=f"but {file} is a file"):
+      zerojax.load_params(directory)
+  assert file.read_text() == "keep me"
+
+
+def test_loading_from_a_missing_or_empty_directory_says_which(tmp_path):
+  with pytest.raises(FileNotFoundError, match=f"the checkpoint directory {tmp_path / 'run'} does"):
+    zerojax.load_params(tmp_path / "run")
+  assert not (tmp_path / "run").exists()  # a read does not create it
+  with pytest.raises(FileNotFoundError, match=f"^no checkpoints in {tmp_path}\\.$"):
+    zerojax.export_safetensors(tmp_path, tmp_path / "model.safetensors")
+  assert os.listdir(tmp_path) == []
+
+
+def test_restoring_from_an_empty_directory_or_a_missing_step_raises(tmp_path):
+  spec = spec_for(make_tx(8, 3))
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    with pytest.raises(FileNotFoundError, match=f"no checkpoints in {tmp_path}: nothing to"):
+      checkpoints.restore()
+    checkpoints.save(1, random_state(spec))
+    checkpoints.wait()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 2 in .* steps \[1\]\)\.$"):
+      checkpoints.restore(2)
+
+
+def test_entries_named_like_a_step_that_are_not_checkpoints_are_left_alone(tmp_path):
+  spec = spec_for(make_tx(8, 3))
+  state = random_state(spec)
+  with CheckpointManager(tmp_path, spec, max_to_keep=2) as checkpoints:
+    checkpoints.save(5, state)
+  (tmp_path / "7").mkdir()  # empty: taken for the latest step, then renamed 7.damaged, before
+  (tmp_path / "3").mkdir()  # someone's data: deleted once out of max_to_keep, before
+  (tmp_path / "3" / "notes.txt").write_text("keep me")
+  (tmp_path / "9").write_text("a file")  # Orbax does not take a file for a step
+  strangers = f"{tmp_path / '3'}, {tmp_path / '7'} in {tmp_path}: named like a checkpoint but"
+  with pytest.warns(UserWarning, match=strangers):
+    checkpoints = CheckpointManager(tmp_path, spec, max_to_keep=2)
+  with checkpoints:
+    assert checkpoints.all_steps() == [5] and checkpoints.latest_step() == 5
+    assert int(checkpoints.restore()["step"]) == int(state["step"])
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / '7'} is not a checkpoint"):
+      checkpoints.restore(7)
+    for step in (7, 9):
+      with pytest.raises(ValueError, match=f"save step {step}: {tmp_path / str(step)} exists"):
+        checkpoints.save(step, state)
+    for step in (6, 8, 10):
+      checkpoints.save(step, state)
+    checkpoints.wait()
+    assert checkpoints.all_steps() == [8, 10]
+  with pytest.warns(UserWarning, match=strangers):
+    assert zerojax.load_params(tmp_path)["w"].shape == (5, 1001)
+  assert sorted(os.listdir(tmp_path)) == ["10", "3", "7", "8", "9"]
+  assert (tmp_path / "3" / "notes.txt").read_text() == "keep me"
+  assert (tmp_path / "9").read_text() == "a file"
+
+
 # Damage and crashes.
 
 

@@ -119,7 +119,8 @@ class CheckpointManager:
 
     Raises:
       ValueError: if ``state`` does not match the spec (naming every path
-        whose structure, shape or dtype differs).
+        whose structure, shape or dtype differs), or the step's directory
+        name is taken by something that is not a checkpoint.
     """
     lines = record_lib.differences(self._stored, record_lib.describe(state), ("spec", "state"))
     if lines:
@@ -128,6 +129,8 @@ class CheckpointManager:
         lines,
         "Save the state the spec describes, or build the manager with that state's spec.",
       )
+    if force or self._manager.should_save(step):
+      directory_lib.check_free(self._manager, step)
     args = ocp.args.Composite(
       state=ocp.args.PyTreeSave(state), layout=ocp.args.JsonSave(self._record)
     )
