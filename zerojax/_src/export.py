@@ -3,7 +3,8 @@
 Offline: it needs the checkpoint directory, not the mesh that trained it.
 Each leaf is read alone, already unpadded, from the full-precision copy of the
 parameters the checkpoint recorded (the master copy when the training kept one
-apart), so host memory holds about one leaf at a time.
+apart), so host memory holds about two leaves' worth at a time (Orbax's read
+of one leaf and its float32 copy), whatever the model's size.
 
 From the command line (also installed as ``zerojax-export``)::
 
@@ -183,9 +184,9 @@ def export_safetensors(
   """Writes the checkpoint's full-precision parameters to one ``.safetensors`` file.
 
   Leaves are read, converted and written one at a time (peak host memory is
-  about two of the largest leaf, whatever the model's size). A tensor's name
-  is its path in the parameters, keys joined with ``"."``; floating leaves are
-  written in float32 (or wider, if they are).
+  about two of the largest leaf in float32, whatever the model's size). A
+  tensor's name is its path in the parameters, keys joined with ``"."``;
+  floating leaves are written in float32 (or wider, if they are).
 
   Args:
     directory: a directory of ``zerojax`` checkpoints.
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
     prog="python -m zerojax.export",
     description="Write a zerojax checkpoint's full-precision parameters, unpadded, to one "
-    ".safetensors file, one leaf at a time (host memory holds about one leaf). Needs only "
+    ".safetensors file, one leaf at a time (host memory holds about two leaves). Needs only "
     "the checkpoint directory, not the devices that trained it.",
   )
   parser.add_argument("checkpoint_dir", help="a directory of zerojax checkpoints")
