@@ -35,6 +35,12 @@ from zerojax._src.checkpoint_verdict import Verdict
 # train_state_spec lives with StateSpec; zerojax imports both from here.
 __all__ = ("CheckpointManager", "StateSpec", "train_state_spec")
 
+# What to do about a checkpoint that does not fit the spec.
+_REFIT = (
+  "Restore with the model, optimizer and precision policy that were saved; "
+  "the device count and stage may differ."
+)
+
 
 class CheckpointManager:
   """Saves training states of one ``StateSpec`` and restores checkpoints into it.
@@ -195,16 +201,8 @@ class CheckpointManager:
     what = f"checkpoint step {step} in {self.directory}"
     lines = record_lib.misfits(self._record, layout)
     if lines:
-      return (
-        Verdict.MISFIT,
-        None,
-        record_lib.listed_error(
-          f"{what} does not fit this manager's spec",
-          lines,
-          "Restore with the model, optimizer and precision policy that were saved; "
-          "the device count and stage may differ.",
-        ),
-      )
+      error = record_lib.listed_error(f"{what} does not fit this manager's spec", lines, _REFIT)
+      return Verdict.MISFIT, None, error
     saved_master = tuple(layout["master_path"])
     path = directory_lib.step_directory(self._manager, step) / "state"
     try:

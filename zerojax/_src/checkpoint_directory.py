@@ -3,10 +3,10 @@
 A checkpoint is a directory named by its step (Orbax's default names: the
 number) that holds what Orbax writes into every checkpoint it saves: the
 ``_CHECKPOINT_METADATA`` file, or zerojax's ``state`` and ``layout`` items.
-Anything else named like a step (an empty directory ``7``, a file ``8``) is
-not a checkpoint: it is left alone, neither restored nor listed, renamed or
-deleted, with a warning that names it. Only a checkpoint can be moved aside as
-damaged.
+Any other directory named like a step (an empty ``7``, someone's files in
+``3``) is not a checkpoint: it is left alone, neither listed, restored, renamed
+nor deleted, with a warning that names it, and saving that step raises. Only a
+checkpoint can be moved aside as damaged.
 """
 
 from __future__ import annotations
