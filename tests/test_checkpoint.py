@@ -1,11 +1,17 @@
-"""Checkpoints: round trips, restoring onto other device counts and stages, errors, crashes."""
+"""Checkpoints: round trips on both kinds of mesh axes, restoring onto other device counts and
+stages, each part of the manager alone (the layout record, the restore verdicts and the process
+vote, the master copy's moves), bad directories, damage and crashes."""
 
+import functools
+import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +20,16 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import CheckpointManager, train_state_spec
+from zerojax import CheckpointManager, StateSpec, train_state_spec
+from zerojax._src import checkpoint_master as master_lib
+from zerojax._src import checkpoint_record as record_lib
+from zerojax._src import checkpoint_verdict as verdict_lib
+from zerojax._src.checkpoint_verdict import Verdict
 
 STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
 WORKER = pathlib.Path(__file__).with_name("checkpoint_worker.py")
+# jax.make_mesh's default (explicit sharding in types) and the compiler-decides kind.
+AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
 
 # "w" has no dimension that 2, 4 or 8 divides, so its stored shape changes with
 # the device count (and stage 1 stores the params unpadded); "b" never pads;
@@ -29,40 +41,90 @@ MODEL = {
 }
 
 
-def make_tx(num_devices: int, stage: int):
+@functools.cache
+def make_tx(num_devices: int, stage: int, precision: str | None = None, axis_type: str = "auto"):
+  """One transformation per setting, shared by the tests (and its compiled steps with it).
+
+  Without ``precision``, every leaf is kept in its own dtype.
+  """
   mesh = jax.make_mesh(
     (num_devices,),
     ("data",),
     devices=jax.devices()[:num_devices],
-    axis_types=(jax.sharding.AxisType.Auto,),
+    axis_types=(AXIS_TYPES[axis_type],),
   )
-  return STAGES[stage](optax.adam(1e-2), mesh=mesh)
+  return STAGES[stage](optax.adam(1e-2), mesh=mesh, precision=precision)
 
 
-def trained_state(tx, steps: int = 2):
-  """A state whose every leaf, Adam's moments included, holds distinct values."""
+@functools.cache
+def trained(*setting) -> tuple[Any, StateSpec]:
+  """A state of ``make_tx(*setting)`` after two updates, and its spec, made once per setting.
+
+  Every leaf, Adam's moments included, holds distinct values.
+  """
+  tx = make_tx(*setting)
   keys = iter(jax.random.split(jax.random.PRNGKey(0), 16))
   full = {name: jax.random.normal(next(keys), x.shape, x.dtype) for name, x in MODEL.items()}
   params = tx.shard(full)
   opt_state = tx.init(full)  # the full-precision values: the master copy, under mixed precision
-  for _ in range(steps):
+  for _ in range(2):
     grads = {name: jax.random.normal(next(keys), x.shape, x.dtype) for name, x in MODEL.items()}
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-  return {
+  state = {
     "params": params,
     "opt_state": opt_state,
-    "step": jnp.int32(steps),
-    "rng": jax.random.PRNGKey(steps),
+    "step": jnp.int32(2),
+    "rng": jax.random.PRNGKey(2),
   }
+  return state, spec_for(tx)
 
 
-def spec_for(tx):
-  return train_state_spec(tx, MODEL, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
+def random_state(spec: StateSpec) -> Any:
+  """A state of ``spec`` with random values in every leaf, without compiling a step.
+
+  Padding is zeros, and a separate master copy's parameters are that copy
+  rounded to their dtype, as ``tx.shard`` makes them: what a restore remakes.
+  """
+  rng = np.random.default_rng(0)
+
+  def fill(logical, stored):
+    if jnp.issubdtype(logical.dtype, jnp.floating):
+      values = rng.standard_normal(logical.shape).astype(logical.dtype)
+    else:
+      values = rng.integers(0, 100, logical.shape).astype(logical.dtype)
+    return pad_to(values, stored)
+
+  state = jax.tree.map(fill, spec.logical, spec.stored)
+  master = state["opt_state"].master
+  if master is not None:
+    params = jax.tree.map(
+      lambda x, struct: pad_to(x.astype(struct.dtype), struct),
+      unpadded(master, spec.logical["params"]),
+      spec.stored["params"],
+    )
+    state = {**state, "params": params}
+  return state
+
+
+def pad_to(values: np.ndarray, stored: jax.ShapeDtypeStruct) -> jax.Array:
+  """``values`` zero-padded at the end of each dimension to ``stored``'s shape, placed as it."""
+  padded = np.zeros(stored.shape, values.dtype)
+  padded[tuple(slice(0, n) for n in values.shape)] = values
+  return jax.device_put(padded, stored.sharding)
+
+
+def spec_for(tx, model=MODEL):
+  return train_state_spec(tx, model, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
 
 
 def logical_values(state, spec):
-  """Every leaf on the host, padding sliced off; checks the padding is zeros."""
+  """Every leaf of ``state`` on the host, padding sliced off; checks the padding is zeros."""
+  return unpadded(state, spec.logical)
+
+
+def unpadded(tree, logical):
+  """Every leaf on the host, cut to ``logical``'s shapes; checks what is cut off is zeros."""
 
   def unpad(x, logical):
     x = np.asarray(x)
@@ -72,7 +134,7 @@ def logical_values(state, spec):
     assert not padding.any(), "padding must stay zeros"
     return x[inside]
 
-  return jax.tree.map(unpad, state, spec.logical)
+  return jax.tree.map(unpad, tree, logical)
 
 
 def assert_same(actual, expected):
@@ -92,9 +154,12 @@ def assert_placed(state, spec):
     assert x.sharding.is_equivalent_to(struct.sharding, x.ndim)
 
 
-def test_round_trip_is_bit_identical(tmp_path):
-  tx = make_tx(8, 3)
-  state, spec = trained_state(tx), spec_for(tx)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_round_trip_is_bit_identical(tmp_path, axis_type, stage, precision):
+  spec = spec_for(make_tx(8, stage, precision, axis_type))
+  state = random_state(spec)
   with CheckpointManager(tmp_path, spec) as checkpoints:
     assert checkpoints.save(2, state)
   with CheckpointManager(tmp_path, spec) as checkpoints:
@@ -104,33 +169,53 @@ def test_round_trip_is_bit_identical(tmp_path):
   assert_same(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, state))
 
 
-@pytest.mark.parametrize(
-  "hops",
-  [
-    [(8, 3), (4, 3), (2, 3), (1, 3)],
-    [(2, 3), (8, 3)],
-    [(8, 3), (8, 1), (8, 3)],
-    [(8, 2), (4, 1), (2, 3)],
-  ],
-  ids=["8-4-2-1", "2-8", "stage3-1-3", "stage2-1-3"],
-)
-def test_restore_onto_other_device_counts_and_stages(tmp_path, hops):
-  tx = make_tx(*hops[0])
-  state, spec = trained_state(tx), spec_for(tx)
-  expected = logical_values(state, spec)
+def master_and_rest(state, spec, tx):
+  """The master parameters, and the rest of the state without any copy of the parameters."""
+  values = logical_values(state, spec)
+  master = tx.master_params(values["params"], values["opt_state"])
+  rest = {**values, "params": None, "opt_state": values["opt_state"]._replace(master=None)}
+  return master, rest
+
+
+# Each list is a run saved and restored by the next setting, (device count,
+# stage): device counts, stages, and with a lower compute dtype the master copy
+# moving between the optimizer state (stages 1-2) and the parameters (stage 3).
+HOPS = {
+  "fp32-8-4-1-2-8": ("fp32", [(8, 3), (4, 3), (1, 3), (2, 3), (8, 3)]),
+  "fp32-stage3-1-3-2-3": ("fp32", [(8, 3), (8, 1), (4, 3), (2, 2), (8, 3)]),
+  "bf16-stage1-3-1-2-3-2": ("bf16", [(8, 1), (4, 3), (2, 1), (8, 2), (4, 3), (2, 2)]),
+  "fp16-stage3-2-1-3": ("fp16", [(8, 3), (2, 2), (4, 1), (8, 3)]),
+}
+
+
+@pytest.mark.parametrize("hops", HOPS)
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_restore_onto_other_device_counts_and_stages(tmp_path, axis_type, hops):
+  precision, hops = HOPS[hops]
+  state, spec = trained(*hops[0], precision, axis_type)
+  tx = make_tx(*hops[0], precision, axis_type)
+  expected_master, expected_rest = master_and_rest(state, spec, tx)
+  if precision == "fp16":  # the loss scale moves too
+    assert state["opt_state"].loss_scale is not None
   for hop, (num_devices, stage) in enumerate(hops[1:]):
     with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
       checkpoints.save(0, state)
-    spec = spec_for(make_tx(num_devices, stage))
+    tx = make_tx(num_devices, stage, precision, axis_type)
+    spec = spec_for(tx)
     with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
       state = checkpoints.restore()
     assert_placed(state, spec)
-    assert_same(logical_values(state, spec), expected)
+    master, rest = master_and_rest(state, spec, tx)
+    assert_same(master, expected_master)
+    assert_same(rest, expected_rest)
+    # The params are the master copy as tx.shard places it (rounded to the compute dtype).
+    rounded = tx.shard(jax.tree.map(jnp.asarray, expected_master))
+    assert_same(logical_values(state, spec)["params"], unpadded(rounded, spec.logical["params"]))
 
 
 def test_keeps_the_last_k_and_saves_every_interval(tmp_path):
-  tx = make_tx(8, 3)
-  state, spec = trained_state(tx, steps=0), spec_for(tx)
+  spec = spec_for(make_tx(8, 3))
+  state = random_state(spec)
   with CheckpointManager(tmp_path, spec, max_to_keep=2, save_interval_steps=2) as checkpoints:
     saved = [checkpoints.save(step, state) for step in range(7)]
     assert checkpoints.save(7, state, force=True)
@@ -142,14 +227,15 @@ def test_keeps_the_last_k_and_saves_every_interval(tmp_path):
 
 def test_a_mismatched_checkpoint_names_what_differs(tmp_path):
   tx = make_tx(8, 3)
-  with CheckpointManager(tmp_path, spec_for(tx)) as checkpoints:
-    checkpoints.save(0, trained_state(tx, steps=0))
+  spec = spec_for(tx)
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    checkpoints.save(0, random_state(spec))
   other = {
     "w": jax.ShapeDtypeStruct((5, 1000), jnp.float32),  # another shape
     "b": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),  # another dtype
     "bias": jax.ShapeDtypeStruct((3,), jnp.float32),  # "scale" renamed
   }
-  spec = train_state_spec(tx, other, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
+  spec = spec_for(tx, other)
   with CheckpointManager(tmp_path, spec) as checkpoints, pytest.raises(ValueError) as error:
     checkpoints.restore()
   message = str(error.value)
@@ -159,18 +245,284 @@ def test_a_mismatched_checkpoint_names_what_differs(tmp_path):
   assert "['params']['bias']: in the spec, not in the checkpoint" in message
   assert "['params']['scale']: in the checkpoint, not in the spec" in message
   assert ".mu['w']: shape (5, 1001)" in message  # the optimizer state is checked too
+  assert sorted(os.listdir(tmp_path)) == ["0"]  # a misfit is not damage: nothing is renamed
+
+
+def test_a_checkpoint_of_another_precision_policy_names_what_differs(tmp_path):
+  spec = spec_for(make_tx(8, 2, "fp16"))
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    checkpoints.save(0, random_state(spec))
+  bf16 = spec_for(make_tx(8, 3, "bf16"))
+  with (
+    CheckpointManager(tmp_path, bf16) as checkpoints,
+    pytest.raises(
+      ValueError, match=r"\['opt_state'\]\.loss_scale\.scale: in the checkpoint, not in"
+    ),
+  ):
+    checkpoints.restore()
 
 
 def test_saving_a_state_of_another_spec_raises(tmp_path):
-  tx = make_tx(8, 3)
-  state = trained_state(tx, steps=0)
-  state["step"] = jnp.float32(0)
+  spec = spec_for(make_tx(8, 3))
+  state = {**random_state(spec), "step": jnp.float32(0)}
   with (
-    CheckpointManager(tmp_path, spec_for(tx)) as checkpoints,
+    CheckpointManager(tmp_path, spec) as checkpoints,
     pytest.raises(ValueError, match=r"\['step'\]: dtype float32 in the state, int32 in the spec"),
   ):
     checkpoints.save(0, state)
   assert os.listdir(tmp_path) == []
+
+
+# The layout record alone: what fits is a function of two records.
+
+SETTINGS = [(8, 3), (4, 1), (2, 2), (1, 3)]
+
+
+def saved_record(setting) -> record_lib.Record:
+  """The layout record a checkpoint of ``make_tx(*setting)`` holds, as read back from JSON."""
+  spec = spec_for(make_tx(*setting))
+  return json.loads(json.dumps(record_lib.layout_record(spec.logical, spec.master_path)))
+
+
+@pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
+def test_records_fit_across_device_counts_stages_and_axis_types(precision):
+  settings = [(*s, precision, axis) for s in SETTINGS for axis in AXIS_TYPES]
+  records = [saved_record(setting) for setting in settings]
+  for spec in records:
+    for saved in records:
+      assert record_lib.misfits(spec, saved) == []
+
+
+def test_records_of_another_policy_or_model_list_each_difference():
+  fp16, bf16 = saved_record((8, 2, "fp16")), saved_record((8, 2, "bf16"))
+  assert record_lib.misfits(bf16, fp16) == [
+    f"['opt_state'].loss_scale.{name}: in the checkpoint, not in the spec"
+    for name in sorted(zerojax.LossScaleState._fields)
+  ]
+  # A bf16 run's master copy is float32, as a float32 run's params are: it fits either way.
+  assert record_lib.misfits(saved_record((8, 3)), bf16) == []
+  assert record_lib.misfits(bf16, saved_record((4, 1))) == []
+  bigger = spec_for(make_tx(8, 3), {**MODEL, "w": jax.ShapeDtypeStruct((5, 1002), jnp.float32)})
+  assert record_lib.misfits(
+    record_lib.layout_record(bigger.logical, bigger.master_path), saved_record((8, 3))
+  ) == [
+    f"{path}: shape (5, 1001) in the checkpoint, (5, 1002) in the spec"
+    for path in [
+      "['opt_state'].inner_state[0].mu['w']",
+      "['opt_state'].inner_state[0].nu['w']",
+      "['params']['w']",
+    ]
+  ]
+
+
+def test_a_long_list_of_differences_is_cut_at_twenty():
+  lines = [f"leaf{i}: in the spec, not in the state" for i in range(25)]
+  message = str(record_lib.listed_error("the state does not match", lines, "Fix it."))
+  assert message.splitlines() == [
+    "the state does not match:",
+    *(f"  {line}" for line in lines[:20]),
+    "  ... and 5 more",
+    "Fix it.",
+  ]
+
+
+# The restore verdicts and the process vote alone, with fake processes.
+
+R, D, M = Verdict.READ, Verdict.DAMAGED, Verdict.MISFIT  # short, for the table below
+
+
+@pytest.mark.parametrize(
+  ("verdicts", "process", "agreed", "message"),
+  [
+    ([R, R, R, R], 0, R, None),
+    ([R, D, R, D], 0, D, "step 3 could not be read on process(es) [1, 3]; their errors say why."),
+    ([R, D, R, D], 1, D, "own"),
+    ([D, M, R, M], 0, M, "step 3 does not fit this manager's spec on process(es) [1, 3];"),
+    ([D, M, R, M], 2, M, "step 3 does not fit this manager's spec on process(es) [1, 3];"),
+    ([M, D], 0, M, "own"),
+  ],
+)
+def test_the_vote_takes_the_worst_verdict_and_names_who_reached_it(
+  monkeypatch, verdicts, process, agreed, message
+):
+  own_error = None if verdicts[process] == R else ValueError("own")
+  monkeypatch.setattr(verdict_lib, "on_every_process", lambda value: np.array(verdicts))
+  verdict, error = verdict_lib.vote(verdicts[process], own_error, "step 3")
+  assert verdict is agreed
+  if message is None:
+    assert error is None
+  else:
+    assert str(error).startswith(message)
+    assert (error is own_error) == (message == "own")
+
+
+def test_the_walk_back_skips_damaged_checkpoints_and_stops_at_a_misfit():
+  tried = []
+
+  def read(step):
+    tried.append(step)
+    if step == 40:
+      raise ValueError("misfit")
+    return ("state", None) if step <= 20 else (None, ValueError(f"damaged {step}"))
+
+  state, step, damaged = verdict_lib.latest_readable([10, 20, 30, 35], read, "ckpt")
+  assert (state, step, tried) == ("state", 20, [35, 30, 20])
+  assert [(s, str(error)) for s, error in damaged] == [(35, "damaged 35"), (30, "damaged 30")]
+  with pytest.raises(ValueError, match=r"damaged 35 None of the earlier checkpoints \[30\] could"):
+    verdict_lib.latest_readable([30, 35], read, "ckpt")
+  with pytest.raises(ValueError, match=r"^damaged 30$"):
+    verdict_lib.latest_readable([30], read, "ckpt")
+  tried.clear()
+  with pytest.raises(ValueError, match="misfit"):
+    verdict_lib.latest_readable([10, 40], read, "ckpt")
+  assert tried == [40]  # an earlier checkpoint of the same run would not fit either
+  with pytest.raises(FileNotFoundError, match="no checkpoints in ckpt"):
+    verdict_lib.latest_readable([], read, "ckpt")
+
+
+# The master copy's moves alone, between the places stages keep it.
+
+
+@pytest.mark.parametrize("saved", [1, 2, 3])
+@pytest.mark.parametrize("target", [1, 2, 3])
+def test_the_master_copy_is_read_where_saved_and_moved_where_the_spec_keeps_it(target, saved):
+  spec, saved_spec = (spec_for(make_tx(8, stage, "bf16")) for stage in (target, saved))
+  plan = master_lib.reading_plan(spec, saved_spec.master_path)
+  # What is read: the checkpoint's master copy, into the spec's master shardings, and no
+  # rounded params (a restore remakes them).
+  assert master_lib.at(plan, saved_spec.master_path) is master_lib.at(spec.stored, spec.master_path)
+  assert ("params" in plan) == (saved == 3)
+  if saved == 3 and target != 3:  # the spec's master slot is read from the saved params
+    assert plan["opt_state"].master is None
+  # Moved back, every leaf is where the spec has it; params are left to be rounded.
+  state = master_lib.master_in_place(spec, saved_spec.master_path, plan)
+  expected = spec.stored if target == 3 else {**spec.stored, "params": None}
+  assert jax.tree.structure(state) == jax.tree.structure(expected)
+  assert all(a is b for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True))
+
+
+def test_at_and_replaced_walk_dicts_named_tuples_lists_and_tuples():
+  tree = {"opt_state": optax.ScaleByAdamState(count=0, mu=[1, (2, 3)], nu=None)}
+  new = master_lib.replaced(tree, ("opt_state", "mu", 1, 0), "x")
+  assert master_lib.at(new, ("opt_state", "mu", 1)) == ("x", 3)
+  assert tree == {"opt_state": optax.ScaleByAdamState(count=0, mu=[1, (2, 3)], nu=None)}
+  assert master_lib.replaced(tree, (), "all") == "all"
+  assert master_lib.at(master_lib.replaced({}, ("params",), 1), ("params",)) == 1
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_rounded_params_are_the_master_copy_cut_and_cast(axis_type):
+  spec = spec_for(make_tx(8, 2, "bf16", axis_type))
+  master = random_state(spec)["opt_state"].master
+  assert master["w"].shape == (5, 1008)  # padded, split over the data axis
+  params = master_lib.rounded(master, spec.logical["params"], spec.stored["params"])
+  assert_placed(params, StateSpec(spec.stored["params"], spec.logical["params"]))
+  expected = jax.tree.map(
+    lambda x: x.astype(jnp.bfloat16), unpadded(master, spec.logical["params"])
+  )
+  assert_same(jax.tree.map(np.asarray, params), expected)
+
+
+# Directories that are not what they should be: a clear error or a warning, and no data lost.
+
+
+def test_a_file_is_refused_as_a_checkpoint_directory(tmp_path):
+  spec = spec_for(make_tx(8, 3))
+  file = tmp_path / "notes.txt"
+  file.write_text("keep me")
+  for directory in (file, file / "checkpoints"):
+    with pytest.raises(ValueError, match=f"checkpoints go in a directory, but {file} is a file"):
+      CheckpointManager(directory, spec)
+    with pytest.raises(ValueError, match=f"but {file} is a file"):
+      zerojax.load_params(directory)
+  assert file.read_text() == "keep me"
+
+
+def test_loading_from_a_missing_or_empty_directory_says_which(tmp_path):
+  with pytest.raises(FileNotFoundError, match=f"the checkpoint directory {tmp_path / 'run'} does"):
+    zerojax.load_params(tmp_path / "run")
+  assert not (tmp_path / "run").exists()  # a read does not create it
+  with pytest.raises(FileNotFoundError, match=f"^no checkpoints in {tmp_path}\\.$"):
+    zerojax.export_safetensors(tmp_path, tmp_path / "model.safetensors")
+  assert os.listdir(tmp_path) == []
+
+
+def test_restoring_from_an_empty_directory_or_a_missing_step_raises(tmp_path):
+  spec = spec_for(make_tx(8, 3))
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    with pytest.raises(FileNotFoundError, match=f"no checkpoints in {tmp_path}: nothing to"):
+      checkpoints.restore()
+    checkpoints.save(1, random_state(spec))
+    checkpoints.wait()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 2 in .* steps \[1\]\)\.$"):
+      checkpoints.restore(2)
+
+
+def test_entries_named_like_a_step_that_are_not_checkpoints_are_left_alone(tmp_path):
+  spec = spec_for(make_tx(8, 3))
+  state = random_state(spec)
+  with CheckpointManager(tmp_path, spec, max_to_keep=2) as checkpoints:
+    checkpoints.save(5, state)
+  (tmp_path / "7").mkdir()  # empty: taken for the latest step, then renamed 7.damaged, before
+  (tmp_path / "3").mkdir()  # someone's data: deleted once out of max_to_keep, before
+  (tmp_path / "3" / "notes.txt").write_text("keep me")
+  (tmp_path / "9").write_text("a file")  # Orbax does not take a file for a step
+  strangers = f"{tmp_path / '3'}, {tmp_path / '7'} in {tmp_path}: named like a checkpoint but"
+  with pytest.warns(UserWarning, match=strangers):
+    checkpoints = CheckpointManager(tmp_path, spec, max_to_keep=2)
+  with checkpoints:
+    assert checkpoints.all_steps() == [5] and checkpoints.latest_step() == 5
+    assert int(checkpoints.restore()["step"]) == int(state["step"])
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / '7'} is not a checkpoint"):
+      checkpoints.restore(7)
+    for step in (7, 9):
+      with pytest.raises(ValueError, match=f"save step {step}: {tmp_path / str(step)} exists"):
+        checkpoints.save(step, state)
+    for step in (6, 8, 10):
+      checkpoints.save(step, state)
+    checkpoints.wait()
+    assert checkpoints.all_steps() == [8, 10]
+  with pytest.warns(UserWarning, match=strangers):
+    assert zerojax.load_params(tmp_path)["w"].shape == (5, 1001)
+  assert sorted(os.listdir(tmp_path)) == ["10", "3", "7", "8", "9"]
+  assert (tmp_path / "3" / "notes.txt").read_text() == "keep me"
+  assert (tmp_path / "9").read_text() == "a file"
+
+
+# Damage and crashes.
+
+
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_one_before_restored(tmp_path):
+  spec = spec_for(make_tx(8, 3))
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    for step in (1, 2):
+      checkpoints.save(step, {**random_state(spec), "step": jnp.int32(step)})
+  for path in (tmp_path / "2" / "layout").iterdir():
+    path.unlink()
+  (tmp_path / "2.damaged").mkdir()  # set aside before: kept
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    with pytest.warns(
+      UserWarning,
+      match=r"step 2 \(checkpoint step 2 .* no readable layout record .* moved to .*2\.damaged2\. "
+      "Restored step 1",
+    ):
+      assert int(checkpoints.restore()["step"]) == 1
+    assert checkpoints.all_steps() == [1]
+  assert sorted(os.listdir(tmp_path)) == ["1", "2.damaged", "2.damaged2"]
+
+
+def test_a_damaged_checkpoint_with_none_before_it_raises_and_stays(tmp_path):
+  spec = spec_for(make_tx(8, 3))
+  with CheckpointManager(tmp_path, spec) as checkpoints:
+    checkpoints.save(0, random_state(spec))
+  for path in (tmp_path / "0" / "layout").iterdir():
+    path.unlink()
+  with (
+    CheckpointManager(tmp_path, spec) as checkpoints,
+    pytest.raises(FileNotFoundError, match="no readable layout record"),
+  ):
+    checkpoints.restore()
+  assert os.listdir(tmp_path) == ["0"]
 
 
 def run_worker(*args, **popen):
@@ -183,11 +535,20 @@ def run_worker(*args, **popen):
   )
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_a_damaged_checkpoint_raises_instead_of_restoring_part(tmp_path, damage):
-  output, _ = run_worker("train", tmp_path, 1).communicate(timeout=120)
+@pytest.fixture(scope="module")
+def worker_checkpoint(tmp_path_factory):
+  """A directory with the worker's checkpoint of step 1 (and its final.npz), made once."""
+  directory = tmp_path_factory.mktemp("worker")
+  output, _ = run_worker("train", directory, 1).communicate(timeout=120)
   assert "saving 1" in output, output
-  data = [path for path in (tmp_path / "1" / "state").rglob("*") if path.parent.name == "d"]
+  return directory
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_checkpoint_raises_instead_of_restoring_part(tmp_path, worker_checkpoint, damage):
+  directory = tmp_path / "checkpoints"
+  shutil.copytree(worker_checkpoint, directory)
+  data = [path for path in (directory / "1" / "state").rglob("*") if path.parent.name == "d"]
   largest = max(data, key=lambda path: path.stat().st_size)
   if damage == "truncate":
     os.truncate(largest, largest.stat().st_size // 2)
@@ -196,33 +557,10 @@ def test_a_damaged_checkpoint_raises_instead_of_restoring_part(tmp_path, damage)
   # In its own process: after a failed read, Orbax leaves unfinished reads that
   # Python reports when they are collected, which pytest would pin on some
   # later test.
-  output, _ = run_worker("restore", tmp_path).communicate(timeout=120)
+  output, _ = run_worker("restore", directory).communicate(timeout=120)
   assert "error: checkpoint step 1" in output and "could not be read in full" in output, output
   # With nothing earlier to fall back to, it stays where it is (no resume from scratch).
-  assert sorted(os.listdir(tmp_path)) == ["1", "final.npz"]
-
-
-def test_a_checkpoint_without_its_layout_record_raises(tmp_path):
-  tx = make_tx(8, 3)
-  spec = spec_for(tx)
-  with CheckpointManager(tmp_path, spec) as checkpoints:
-    checkpoints.save(0, trained_state(tx, steps=0))
-  for path in (tmp_path / "0" / "layout").iterdir():
-    path.unlink()
-  with (
-    CheckpointManager(tmp_path, spec) as checkpoints,
-    pytest.raises(FileNotFoundError, match="no readable layout record"),
-  ):
-    checkpoints.restore()
-
-
-def test_restoring_a_missing_step_raises(tmp_path):
-  tx = make_tx(8, 3)
-  with (
-    CheckpointManager(tmp_path, spec_for(tx)) as checkpoints,
-    pytest.raises(FileNotFoundError, match=r"no checkpoint for step None .* steps \[\]"),
-  ):
-    checkpoints.restore()
+  assert sorted(os.listdir(directory)) == ["1", "final.npz"]
 
 
 def test_a_run_killed_mid_save_resumes_to_the_same_params(tmp_path):
@@ -255,64 +593,3 @@ def test_a_run_killed_mid_save_resumes_to_the_same_params(tmp_path):
   assert sorted(whole) == sorted(resumed) == ["big", "w"]
   for name in whole:
     np.testing.assert_array_equal(resumed[name], whole[name], strict=True)
-
-
-def mixed_precision(num_devices: int, stage: int, precision: str):
-  tx = STAGES[stage](optax.adam(1e-2), mesh=make_tx(num_devices, stage).mesh, precision=precision)
-  return tx, spec_for(tx)
-
-
-def test_loss_scale_and_master_copy_restore_onto_other_device_counts(tmp_path):
-  tx, spec = mixed_precision(8, 2, "fp16")
-  state = trained_state(tx)
-  assert state["opt_state"].loss_scale is not None and state["opt_state"].master is not None
-  with CheckpointManager(tmp_path, spec) as checkpoints:
-    checkpoints.save(0, state)
-  _, spec4 = mixed_precision(4, 2, "fp16")
-  with CheckpointManager(tmp_path, spec4) as checkpoints:
-    restored = checkpoints.restore()
-  assert_placed(restored, spec4)
-  assert_same(logical_values(restored, spec4), logical_values(state, spec))
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("hops", [[(8, 1), (4, 3), (2, 2)], [(2, 3), (8, 2)]], ids=["1-3-2", "3-2"])
-def test_the_master_copy_moves_between_state_and_params_across_stages(tmp_path, hops, precision):
-  """Stages 1-2 keep a master copy beside rounded params, stage 3 none: a restore moves it."""
-
-  def master_and_rest(state, spec, tx):
-    values = logical_values(state, spec)
-    master = tx.master_params(values["params"], values["opt_state"])
-    rest = {**values, "params": None, "opt_state": values["opt_state"]._replace(master=None)}
-    return master, rest
-
-  tx, spec = mixed_precision(*hops[0], precision)
-  state = trained_state(tx)
-  expected_master, expected_rest = master_and_rest(state, spec, tx)
-  for hop, (num_devices, stage) in enumerate(hops[1:]):
-    with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
-      checkpoints.save(0, state)
-    tx, spec = mixed_precision(num_devices, stage, precision)
-    with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
-      state = checkpoints.restore()
-    assert_placed(state, spec)
-    master, rest = master_and_rest(state, spec, tx)
-    assert_same(master, expected_master)
-    assert_same(rest, expected_rest)
-    if stage != 3:  # the params are the master rounded to the compute dtype, as tx.shard makes them
-      rounded = jax.tree.map(np.asarray, tx.shard(jax.tree.map(jnp.asarray, expected_master)))
-      assert_same(logical_values(state, spec)["params"], rounded)
-
-
-def test_a_checkpoint_of_another_precision_policy_names_what_differs(tmp_path):
-  tx, spec = mixed_precision(8, 2, "fp16")
-  with CheckpointManager(tmp_path, spec) as checkpoints:
-    checkpoints.save(0, trained_state(tx))
-  _, bf16 = mixed_precision(8, 3, "bf16")
-  with (
-    CheckpointManager(tmp_path, bf16) as checkpoints,
-    pytest.raises(
-      ValueError, match=r"\['opt_state'\]\.loss_scale\.scale: in the checkpoint, not in"
-    ),
-  ):
-    checkpoints.restore()

@@ -3,7 +3,8 @@
 Offline: it needs the checkpoint directory, not the mesh that trained it.
 Each leaf is read alone, already unpadded, from the full-precision copy of the
 parameters the checkpoint recorded (the master copy when the training kept one
-apart), so host memory holds about one leaf at a time.
+apart), so host memory holds about two leaves' worth at a time (Orbax's read
+of one leaf and its float32 copy), whatever the model's size.
 
 From the command line (also installed as ``zerojax-export``)::
 
@@ -26,7 +27,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zerojax._src import checkpoint as checkpoint_lib
+from zerojax._src import checkpoint_directory as directory_lib
+from zerojax._src import checkpoint_master as master_lib
+from zerojax._src import checkpoint_spec as spec_lib
 
 _SAFETENSORS_DTYPES = {
   "float64": "F64",
@@ -75,11 +78,11 @@ def _master_leaves(directory: str | os.PathLike, step: int | None):
     )
   with (
     _quiet(_READ_ONLY_NOTICE),
-    checkpoint_lib.orbax_manager(
+    directory_lib.open_manager(
       directory, read_only=True, create=False, save_interval_steps=0
     ) as manager,
   ):
-    step, layout = checkpoint_lib.read_layout(manager, step)
+    step, layout = directory_lib.read_layout(manager, step)
     prefix = layout["master_path"]
     leaves = [
       _Leaf(
@@ -91,7 +94,7 @@ def _master_leaves(directory: str | os.PathLike, step: int | None):
     # The containers as Orbax saved them (tuples become lists), which a read's
     # template must repeat.
     saved = manager.item_metadata(step)["state"].tree
-    yield leaves, functools.partial(_read, manager, step, saved), checkpoint_lib.at(saved, prefix)
+    yield leaves, functools.partial(_read, manager, step, saved), master_lib.at(saved, prefix)
 
 
 # Orbax logs this warning whenever a read-only manager is made or used: what
@@ -119,7 +122,7 @@ def _read(manager: ocp.CheckpointManager, step: int, saved: Any, leaf: _Leaf) ->
     item=_only(saved, leaf.keys, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)),
     restore_args=_only(saved, leaf.keys, restore_args),
   )
-  restored = checkpoint_lib.at(
+  restored = master_lib.at(
     manager.restore(step, args=ocp.args.Composite(state=args))["state"], leaf.keys
   )
   array = np.asarray(restored)
@@ -137,7 +140,7 @@ def _only(saved: Any, keys: list[str | int], value: Any) -> Any:
   if not keys:
     return value
   template = jax.tree.map(lambda _: ocp.PLACEHOLDER, saved)
-  parent = checkpoint_lib.at(template, keys[:-1])
+  parent = master_lib.at(template, keys[:-1])
   parent[keys[-1]] = value
   return template
 
@@ -171,7 +174,7 @@ def load_params(directory: str | os.PathLike, *, step: int | None = None) -> Any
   with _master_leaves(directory, step) as (leaves, read, saved):
     by_name = {tuple(leaf.name): leaf for leaf in leaves}
     return jax.tree_util.tree_map_with_path(
-      lambda path, _: read(by_name[tuple(checkpoint_lib.key_name(key) for key in path)]), saved
+      lambda path, _: read(by_name[tuple(spec_lib.key_name(key) for key in path)]), saved
     )
 
 
@@ -181,9 +184,9 @@ def export_safetensors(
   """Writes the checkpoint's full-precision parameters to one ``.safetensors`` file.
 
   Leaves are read, converted and written one at a time (peak host memory is
-  about two of the largest leaf, whatever the model's size). A tensor's name
-  is its path in the parameters, keys joined with ``"."``; floating leaves are
-  written in float32 (or wider, if they are).
+  about two of the largest leaf in float32, whatever the model's size). A
+  tensor's name is its path in the parameters, keys joined with ``"."``;
+  floating leaves are written in float32 (or wider, if they are).
 
   Args:
     directory: a directory of ``zerojax`` checkpoints.
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
     prog="python -m zerojax.export",
     description="Write a zerojax checkpoint's full-precision parameters, unpadded, to one "
-    ".safetensors file, one leaf at a time (host memory holds about one leaf). Needs only "
+    ".safetensors file, one leaf at a time (host memory holds about two leaves). Needs only "
     "the checkpoint directory, not the devices that trained it.",
   )
   parser.add_argument("checkpoint_dir", help="a directory of zerojax checkpoints")
