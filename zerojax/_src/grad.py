@@ -237,4 +237,4 @@ def _data_only(leaf: layout_lib.LeafLayout, data: Any) -> P:
     return P()
   spec = [None] * len(leaf.shape)
   spec[leaf.dim] = data
-  return P(*spec)
+  return P(*spec[: len(spec) + leaf.dim + 1])  # no trailing Nones, as the params' specs
