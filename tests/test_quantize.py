@@ -6,6 +6,10 @@ changes the numbers (by a bounded amount) and the bytes, nothing else.
 """
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +25,7 @@ from tests.test_checkpoint import assert_same, logical_values
 from zerojax._src import quantize
 
 INT8, INT4 = quantize.Quantization(8, 256), quantize.Quantization(4, 256)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 #: The largest code of each width, from the format's definition (levels -qmax..qmax).
@@ -350,3 +355,68 @@ def test_the_drop_in_path_is_unchanged_by_quantization():
 
   plain, quantized = (meshes.make_tx(3, mesh, **o) for o in ({}, OPTIONS["int8 both"]))
   assert_same(drop_in_grads(quantized), drop_in_grads(plain))
+
+
+# --------------------------------------------------------------------- JAX upgrades
+
+# Run in a fresh process: zerojax is imported with every ``jax._src`` import
+# from a zerojax module refused, as if JAX had moved its private helpers.
+WITHOUT_JAX_PRIVATES = """
+import builtins, sys
+
+real_import = builtins.__import__
+
+def refusing_import(name, globals=None, locals=None, fromlist=(), level=0):
+  importer = (globals or {}).get("__name__") or ""
+  if importer.split(".")[0] == "zerojax" and name.split(".")[:2] == ["jax", "_src"]:
+    raise ImportError(f"{importer} imports {name}, which this test has made unimportable")
+  return real_import(name, globals, locals, fromlist, level)
+
+builtins.__import__ = refusing_import
+
+import jax, jax.numpy as jnp, optax
+import zerojax
+from zerojax._src import distributed
+
+# The exit-hook shortcut gives up quietly: crashes just exit the slow way.
+hook = sys.excepthook
+distributed._exit_at_once_on_uncaught_exceptions()
+assert sys.excepthook is hook
+
+mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+tx = zerojax.zero1(
+  optax.sgd(0.1), mesh=mesh, replica_axis="replica", quantized_gradients="int8", min_shard_size=1
+)
+loss_fn = lambda params, x: jnp.mean((x @ params["w"]) ** 2)
+params = tx.shard({"w": jnp.ones((4, 8))})
+x = jnp.ones((8, 4))
+# The quantized all-reduce across replicas works through the public jax.lax.all_gather.
+_, grads = jax.jit(zerojax.value_and_grad(loss_fn, tx))(params, x)
+assert float(jnp.sum(tx.gather(grads)["w"])) > 0
+
+# A JAX whose public all_gather lacks the option: the feature fails, naming itself and the version.
+public = jax.lax.all_gather
+jax.lax.all_gather = lambda x, axis_name, *, axis_index_groups=None, axis=0, tiled=False: public(
+  x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled
+)
+try:
+  jax.jit(zerojax.value_and_grad(loss_fn, tx))(params, x)
+except RuntimeError as error:
+  message = str(error)
+  assert "quantized_gradients with replica_axis" in message, message
+  assert f"jax {jax.__version__} does not have" in message, message
+else:
+  raise AssertionError("no error without an invariant all-gather")
+print("ok")
+"""
+
+
+def test_import_and_quantization_survive_jax_moving_its_private_helpers():
+  done = subprocess.run(
+    [sys.executable, "-c", WITHOUT_JAX_PRIVATES],
+    env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
