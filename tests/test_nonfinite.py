@@ -43,9 +43,8 @@ POSITIONS = {
 }
 TARGETS = tuple(POSITIONS.values())
 
-SKIP = zerojax.Precision(skip_nonfinite=True)
 PRECISIONS = {
-  "fp32": SKIP,
+  "fp32": zerojax.Precision(skip_nonfinite=True),
   "bf16": zerojax.Precision(params="fp32", compute="bf16", reduce="fp32", skip_nonfinite=True),
   "fp16": zerojax.Precision(
     params="fp32",
