@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,7 +39,35 @@ def test_default_plan_invariants(shape, n):
   if divisible:
     assert leaf.padding == 0, "a divisible dimension is preferred to padding"
     assert leaf.dim == divisible[0] - len(shape), "the most major divisible dimension"
+  else:
+    # default_shard_dim: "if nothing divides, the largest free dimension is padded".
+    assert shape[leaf.dim] == max(shape[d] for d in candidates), "the largest is padded"
   assert leaf.spec[leaf.dim] == "data"
+
+
+@pytest.mark.parametrize(
+  "shape, dim",
+  [
+    ((4, 13, 7), -2),  # neither divides: the larger (13) is padded, not the smaller
+    ((4, 7, 13), -1),
+    ((5, 3, 11), -1),  # whatever the order
+    ((9, 13), -1),  # the leading (stacked-layer) dimension is never a candidate
+    ((13,), -1),
+  ],
+)
+def test_nothing_divides_so_the_largest_free_dimension_is_padded(shape, dim):
+  assert zerojax.default_shard_dim(shape, 8) == dim
+  leaf = plan_one(shape, 8)
+  assert (leaf.dim, leaf.padded_size) == (dim, 16)
+
+
+def test_nothing_divides_beside_other_mesh_axes_so_the_largest_free_dimension_is_padded():
+  # Dimensions that other mesh axes split (taken) are passed over...
+  assert zerojax.default_shard_dim((4, 13, 7, 3), 8, taken={1: 2}) == -2
+  assert zerojax.default_shard_dim((4, 7, 13, 3), 8, taken={2: 2}) == -3
+  # ...and one of them is padded only when none is free: the largest again.
+  assert zerojax.default_shard_dim((4, 13, 7), 8, taken={1: 2, 2: 2}) == -2
+  assert zerojax.default_shard_dim((4, 7, 13), 8, taken={1: 2, 2: 2}) == -1
 
 
 @settings(max_examples=50, deadline=None)  # eager jnp.pad compiles once per shape
@@ -53,12 +82,64 @@ def test_pad_unpad_round_trip(shape, n):
 
 
 @settings(max_examples=100, deadline=None)
-@given(shapes, num_shards)
-def test_sharded_dim_is_scan_stable(shape, n):
-  """Slicing off a leading stacked dim keeps the dim's meaning (it counts from the end)."""
-  stacked = plan_one((3, *shape), n)
-  if stacked.dim is not None and shape:
-    assert stacked.shape[stacked.dim] == shape[stacked.dim]
+@given(shapes.filter(bool), num_shards, st.integers(1, 3))
+def test_sharded_dim_is_scan_stable(shape, n, layers):
+  """A scan slices one layer off each device's shard: that slice is the device's shard of the layer.
+
+  The plan counts the sharded dimension from the end, so it names the same
+  dimension of the stacked leaf and of each layer, and never the layer
+  dimension itself: slicing layer ``i`` off device ``j``'s shard of the stored
+  stacked array gives device ``j``'s shard of layer ``i``, padded alike.
+  """
+  stacked = plan_one((layers, *shape), n)
+  if stacked.dim is None:
+    return
+  assert -len(shape) <= stacked.dim < 0, "the layer dimension is never sharded"
+
+  def padded(x):  # zeros appended along the plan's dimension, counted from the end
+    widths = [(0, 0)] * x.ndim
+    widths[stacked.dim] = (0, stacked.padded_size - x.shape[stacked.dim])
+    return np.pad(x, widths)
+
+  x = np.arange(layers * int(np.prod(shape)), dtype=np.float32).reshape(layers, *shape) + 1
+  stored = padded(x)
+  assert stored.shape == stacked.stored_shape
+  shards = np.split(stored, n, axis=stacked.dim)  # what device j stores
+  for i in range(layers):
+    for j, layer_shard in enumerate(np.split(padded(x[i]), n, axis=stacked.dim)):
+      np.testing.assert_array_equal(shards[j][i], layer_shard, err_msg=f"layer {i}, device {j}")
+
+
+def test_scanned_gather_of_stacked_leaves_is_each_layer():
+  # The end-to-end form of the property above: inside value_and_grad a scan
+  # slices each device's Shard, and gather must rebuild exactly that layer (and
+  # its gradient come back to the right place), padded or not, whichever
+  # dimension of the layer is sharded.
+  mesh = jax.make_mesh((8,), ("data",), (jax.sharding.AxisType.Auto,))
+  rng = np.random.default_rng(0)
+  params = {
+    "leading_of_layer": jnp.asarray(rng.normal(size=(3, 16, 7)), jnp.float32),  # dim -2
+    "padded_last": jnp.asarray(rng.normal(size=(2, 5, 13)), jnp.float32),  # 13 -> 16, dim -1
+    "padded_middle": jnp.asarray(rng.normal(size=(2, 11, 3, 5)), jnp.float32),  # 11 -> 16, dim -3
+  }
+  weights = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
+  dims = tx.layout(params).map(lambda leaf: leaf.dim)
+  assert dims == {"leading_of_layer": -2, "padded_last": -1, "padded_middle": -3}
+
+  def loss_fn(params, x):
+    def layer(_, pair):
+      shard, weight = pair
+      return None, jnp.sum(zerojax.gather(shard) * weight)
+
+    sums = [jnp.sum(jax.lax.scan(layer, None, (params[k], weights[k]))[1]) for k in params]
+    return sum(sums) * jnp.mean(x)
+
+  x = jnp.ones((8,))
+  loss, grads = jax.jit(zerojax.value_and_grad(loss_fn, tx))(tx.shard(params), x)
+  expected = sum(float(jnp.sum(params[k] * weights[k])) for k in params)
+  assert float(loss) == pytest.approx(expected, rel=1e-5)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), tx.gather(grads), weights)
 
 
 def test_small_and_integer_leaves_stay_replicated():

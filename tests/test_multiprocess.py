@@ -146,8 +146,8 @@ def test_one_process_trains_like_plain_optax(runs):
 @pytest.mark.parametrize("stage", STAGES)
 def test_gathers_agree_and_reach_only_their_process(runs, stage):
   (first, first_report), (second, second_report) = runs[2]
+  assert_trees_close(second, first, f"{stage}/to_all", atol=0)
   for arrays in (first, second):
-    assert_trees_close(arrays, first, f"{stage}/to_all", atol=0)
     to_all = {k.replace("to_all", "tx.gather"): v for k, v in arrays.items() if "/to_all" in k}
     assert_trees_close(to_all, arrays, f"{stage}/tx.gather", atol=0)
   renamed = {k.replace("to_zero", "to_all"): v for k, v in first.items()}
@@ -279,17 +279,27 @@ def test_launcher_stops_what_the_processes_left_behind(tmp_path):
   # A helper a script starts (a data loader, an uploader) lives in the script's
   # session: it must neither survive the attempt nor hold the launcher open
   # through the stdout it inherited.
+  # Each process records its helper as "<attempt>-<pid>" and waits for the
+  # other's record before exiting: otherwise, on a busy machine, the first
+  # process of attempt 1 to exit got the second stopped before it started its
+  # helper, and 3 helpers were found instead of 4.
   code = (
-    "import os, subprocess, sys\n"
+    "import os, subprocess, sys, time\n"
     "helper = subprocess.Popen(['sleep', '60'])\n"
-    f"open(os.path.join({str(tmp_path)!r}, str(helper.pid)), 'w').close()\n"
-    "sys.exit(3 if os.environ['ZEROJAX_ATTEMPT'] == '1' else 0)\n"
+    "attempt = os.environ['ZEROJAX_ATTEMPT']\n"
+    f"records = {str(tmp_path)!r}\n"
+    "open(os.path.join(records, f'{attempt}-{helper.pid}'), 'w').close()\n"
+    "deadline = time.monotonic() + 20\n"
+    "while sum(n.startswith(attempt + '-') for n in os.listdir(records)) < 2:\n"
+    "  assert time.monotonic() < deadline, 'the other process never started its helper'\n"
+    "  time.sleep(0.05)\n"
+    "sys.exit(3 if attempt == '1' else 0)\n"
   )
   begin = time.monotonic()
   status, err = run_code(code, max_restarts=1)
   assert status == 0, err
   assert time.monotonic() - begin < 30
-  helpers = [int(path.name) for path in tmp_path.iterdir()]
+  helpers = [int(path.name.split("-")[1]) for path in tmp_path.iterdir()]
   assert len(helpers) == 4  # 2 processes x 2 attempts
   deadline = time.monotonic() + 10
   while any(map(running, helpers)) and time.monotonic() < deadline:

@@ -61,6 +61,24 @@ def bf16_reference():
   return mixed_reference(optax.sgd(0.1), jnp.bfloat16, models.make_params(), models.make_batch(), 3)
 
 
+def assert_trained_like(actual, expected, initial=None):
+  """Every leaf within 5% of how far ``expected`` moved it from ``initial``.
+
+  Low-precision runs sum in a different order on 8 devices than on one, so
+  they match only to a tolerance; scaled to each leaf's own movement, that
+  tolerance still fails a leaf left untrained (100% of its movement off).
+  Measured: at most 0.6% (the "odd" leaf, which moves 1.6e-4 in 3 steps).
+  """
+  initial = models.make_params() if initial is None else initial
+  flat = jax.tree_util.tree_flatten_with_path(actual)[0]
+  references = zip(jax.tree.leaves(expected), jax.tree.leaves(initial), strict=True)
+  for (path, a), (e, i) in zip(flat, references, strict=True):
+    e, i = np.asarray(e, np.float64), np.asarray(i, np.float64)
+    moved = np.max(np.abs(e - i))
+    assert moved > 0, f"{jax.tree_util.keystr(path)} did not train in the reference"
+    np.testing.assert_allclose(a, e, rtol=0, atol=0.05 * moved, err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_policy_trains_like_mixed_precision_by_hand(stage, mesh):
   tx, params, state = start(stage, mesh, optax.sgd(0.1), "bf16")
@@ -70,12 +88,7 @@ def test_bf16_policy_trains_like_mixed_precision_by_hand(stage, mesh):
   stored = jax.tree.leaves(params)
   assert {x.dtype for x in stored} == {np.dtype(jnp.bfloat16 if stage < 3 else jnp.float32)}
   master = tx.gather(tx.master_params(params, state))
-  # bf16 sums in a different order on 8 devices than on one: bf16 tolerance.
-  for path, actual in jax.tree_util.tree_flatten_with_path(master)[0]:
-    expected = bf16_reference()[path[0].key]
-    for key in path[1:]:
-      expected = expected[key.key]
-    np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-3, err_msg=str(path))
+  assert_trained_like(master, bf16_reference())
   if stage < 3:
     # The working copy is exactly the master rounded, never drifting from it.
     rounded = jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
@@ -278,10 +291,7 @@ def test_bf16_drop_in_path_keeps_the_master_copy(stage, mesh):
   step = jax.jit(models.drop_in_step(tx))
   for _ in range(3):
     params, state, _ = step(params, state, *models.make_batch())
-  master = tx.gather(tx.master_params(params, state))
-  jax.tree.map(
-    lambda a, e: np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-3), master, bf16_reference()
-  )
+  assert_trained_like(tx.gather(tx.master_params(params, state)), bf16_reference())
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -312,9 +322,4 @@ def test_fp16_drop_in_path_scales_the_loss_as_documented(stage, mesh):
     *theirs, _ = drop_in(*theirs, *models.make_batch())
   assert int(ours[1].skipped_steps) == int(theirs[1].skipped_steps) == 0
   jax.tree.map(np.testing.assert_array_equal, theirs[1].loss_scale, ours[1].loss_scale)
-  assert_close = lambda a, e: np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-3)
-  jax.tree.map(
-    assert_close,
-    tx.gather(tx.master_params(*theirs)),
-    tx.gather(tx.master_params(*ours)),
-  )
+  assert_trained_like(tx.gather(tx.master_params(*theirs)), tx.gather(tx.master_params(*ours)))

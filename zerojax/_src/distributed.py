@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax._src import api as jax_api
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -164,6 +163,10 @@ def _exit_at_once_on_uncaught_exceptions() -> None:
   long to become an exit status. ``jax._src.api.clean_up`` is that exit hook;
   if a later JAX moves it, crashes take the slow way again, nothing worse.
   """
+  try:
+    from jax._src import api as jax_api
+  except ImportError:
+    return
   clean_up = getattr(jax_api, "clean_up", None)
   if clean_up is None:
     return

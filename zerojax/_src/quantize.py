@@ -20,16 +20,14 @@ overflowed is still seen as non-finite and skipped.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-# Not exported by jax.lax (0.10): an all-gather typed as returning the same
-# value on every device, which a psum's replacement must be.
-from jax._src.lax.parallel import all_gather_invariant
 
 #: The ``quantized_weights`` / ``quantized_gradients`` values and their bit widths.
 FORMATS = {"int8": 8, "int4": 4}
@@ -203,7 +201,7 @@ def all_gather(
   dequantized to ``dtype`` on arrival. ``invariant`` types the result as the
   same on every device of ``axis_name`` (which it is), as a ``psum``'s is.
   """
-  gather = all_gather_invariant if invariant else jax.lax.all_gather
+  gather = _invariant_all_gather() if invariant else jax.lax.all_gather
   blocks = gather(quantize(x, spec), axis_name, axis=0)
   count = blocks.scales.shape[0]
   pieces = dequantize(blocks, spec, (count, *x.shape), dtype)
@@ -212,6 +210,28 @@ def all_gather(
   shape = list(x.shape)
   shape[axis] *= count
   return pieces.reshape(shape)
+
+
+def _invariant_all_gather():
+  """``jax.lax.all_gather`` typed as returning the same value on every device, as a psum's is.
+
+  Looked up when first needed, never at import, so that ``import zerojax``
+  survives a JAX that has moved it: JAX 0.10.2 has it publicly as
+  ``all_gather(..., to="invarying")``; JAX without that option may still
+  have the private ``all_gather_invariant``.
+  """
+  if "to" in inspect.signature(jax.lax.all_gather).parameters:
+    return functools.partial(jax.lax.all_gather, to="invarying")
+  try:
+    from jax._src.lax.parallel import all_gather_invariant
+  except ImportError:
+    raise RuntimeError(
+      "quantized_gradients with replica_axis sums each gradient shard across replicas with a "
+      "quantized all-reduce, which needs an all-gather typed as the same on every device: "
+      f"jax.lax.all_gather(..., to='invarying'), which jax {jax.__version__} does not have. "
+      "Use a JAX version that has it (0.10.2 does), or drop quantized_gradients or replica_axis."
+    ) from None
+  return all_gather_invariant
 
 
 def reduce_scatter(
