@@ -106,6 +106,7 @@ def test_second_step_does_not_recompile_and_donation_works(mesh):
   assert old["embed"].is_deleted(), "donated params buffer was not reused"
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_init_on_shape_dtype_structs_and_stable_state_types(stage, mesh):
   tx = getattr(zerojax, f"zero{stage}")(optax.adam(0.1), mesh=mesh, min_shard_size=1)
   params = {"w": jnp.ones((7, 13)), "b": jnp.ones(64)}

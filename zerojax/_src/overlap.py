@@ -79,6 +79,21 @@ def loop_collectives(hlo: str | jax.stages.Compiled) -> list[LoopCollectives]:
   Returns:
     A ``LoopCollectives`` per while loop (nested ones included) whose body
     holds a collective, in the order the program defines them.
+
+  Example:
+    A loop that gathers and multiplies in the same iteration waits on its gather:
+
+    >>> import jax, jax.numpy as jnp, zerojax
+    >>> auto = (jax.sharding.AxisType.Auto,)
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
+    >>> def layers(w, h):
+    ...   step = lambda h, w: (h @ jax.lax.all_gather(w, "data", axis=1, tiled=True), None)
+    ...   return jax.lax.scan(step, h, w)[0]
+    >>> specs = dict(in_specs=(jax.P(None, None, "data"), jax.P()), out_specs=jax.P())
+    >>> f = jax.jit(jax.shard_map(layers, mesh=mesh, check_vma=False, **specs))
+    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.loop_collectives(
+    ...   f.lower(jnp.ones((3, 16, 16)), jnp.ones((4, 16))).compile())]
+    [(1, 1)]
   """
   text = hlo if isinstance(hlo, str) else hlo.as_text()
   computations, _ = hlo_lib.parse_module(text)
