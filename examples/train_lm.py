@@ -69,7 +69,7 @@ import contextlib
 import dataclasses
 import math
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -156,16 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3)
   parser.add_argument("--model", choices=tuple(configs.PRESETS), default="small")
-  parser.add_argument("--steps", type=positive_int, help="train steps (default: the preset's)")
+  parser.add_argument("--steps", type=at_least(1), help="train steps (default: the preset's)")
   parser.add_argument(
-    "--batch-size", type=positive_int, help="global batch, a multiple of --devices"
+    "--batch-size", type=at_least(1), help="global batch, a multiple of --devices"
   )
-  parser.add_argument("--seq-len", type=positive_int, help="context length in bytes")
+  parser.add_argument("--seq-len", type=at_least(1), help="context length in bytes")
   parser.add_argument("--lr", type=float, help="peak learning rate")
-  parser.add_argument("--seed", type=natural_int, default=0)
+  parser.add_argument("--seed", type=at_least(0), default=0)
   parser.add_argument(
     "--microbatches",
-    type=positive_int,
+    type=at_least(1),
     default=1,
     help="micro-batches accumulated per step, per device (stages 1-3)",
   )
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
   add_precision_flags(parser)
   add_checkpoint_flags(parser)
   parser.add_argument(
-    "--eval-every", type=positive_int, default=100, help="steps between validations"
+    "--eval-every", type=at_least(1), default=100, help="steps between validations"
   )
   parser.add_argument(
     "--report",
@@ -190,7 +190,7 @@ def add_parallelism_flags(parser: argparse.ArgumentParser) -> None:
   """The devices, their mesh, and the processes of a multi-process run."""
   parser.add_argument(
     "--devices",
-    type=positive_int,
+    type=at_least(1),
     help="data-parallel devices: forced on CPU (default 8); in a multi-process run, all of "
     "the job's (the default)",
   )
@@ -231,7 +231,7 @@ def add_precision_flags(parser: argparse.ArgumentParser) -> None:
     )
   parser.add_argument(
     "--quantization-block-size",
-    type=positive_int,
+    type=at_least(1),
     default=256,
     help="elements per scale of the quantized weights and gradients",
   )
@@ -241,32 +241,24 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
   """Where and how often to save, and whether to resume."""
   parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save checkpoints here")
   parser.add_argument(
-    "--save-every", type=positive_int, default=100, help="steps between checkpoints"
+    "--save-every", type=at_least(1), default=100, help="steps between checkpoints"
   )
-  parser.add_argument("--keep", type=positive_int, default=3, help="checkpoints to keep")
+  parser.add_argument("--keep", type=at_least(1), default=3, help="checkpoints to keep")
   parser.add_argument(
     "--resume", action="store_true", help="continue from the latest checkpoint, if there is one"
   )
 
 
-def positive_int(text: str) -> int:
-  """An argparse type: an int of at least 1."""
-  return _int_from(text, least=1)
+def at_least(least: int) -> Callable[[str], int]:
+  """An argparse type: a whole number of at least ``least``."""
 
+  def whole_number(text: str) -> int:
+    value = int(text)  # argparse reports a ValueError as "invalid whole_number value"
+    if value < least:
+      raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+    return value
 
-def natural_int(text: str) -> int:
-  """An argparse type: an int of at least 0."""
-  return _int_from(text, least=0)
-
-
-def _int_from(text: str, least: int) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-  if value < least:
-    raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
-  return value
+  return whole_number
 
 
 def parse_mesh(text: str) -> dict[str, int]:

@@ -30,7 +30,7 @@ CASES = [
   ),
   ("train_lm", ["--devices", "0"], "argument --devices: must be at least 1, got 0"),
   ("train_lm", ["--devices", "-2"], "argument --devices: must be at least 1, got -2"),
-  ("train_lm", ["--devices", "two"], "argument --devices: 'two' is not a whole number"),
+  ("train_lm", ["--devices", "two"], "argument --devices: invalid whole_number value: 'two'"),
   (
     "train_lm",
     ["--mesh", "data=4,model=3"],
