@@ -144,9 +144,9 @@ def claim_devices(count: int, multi_process: bool) -> list[jax.Device]:
       zerojax.use_cpu_devices(count)
   if jax.device_count() < count:
     raise ValueError(
-      f"--devices {count}, but JAX has {jax.device_count()} devices (it started before this "
-      f"script could ask for more): pass --devices {jax.device_count()} or fewer, or run the "
-      "script in a fresh process."
+      f"--devices {count}, but JAX has {jax.device_count()} devices: pass --devices "
+      f"{jax.device_count()} or fewer (on CPU, JAX fixes the number when it starts: a fresh "
+      "process can have more)."
     )
   return jax.devices()[:count]
 

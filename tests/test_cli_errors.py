@@ -43,6 +43,7 @@ CASES = [
   ("train_lm", ["--stage", "2", "--quantized-weights", "int8"], "--quantized-weights applies"),
   ("train_lm", ["--stage", "0", "--precision", "bf16"], "--precision, --microbatches and"),
   ("train_lm", ["--resume"], "--resume needs --checkpoint-dir"),
+  ("train_lm", ["--quantization-block-size", "3"], "--quantization-block-size 3: make it even"),
   # python -m zerojax.launch
   ("launch", ["-n", "2", "--devices-per-process", "0", "x.py"], "--devices-per-process must be"),
   ("launch", ["-n", "2", "--devices-per-process", "-1", "x.py"], "at least 1, got -1"),

@@ -99,7 +99,7 @@ class Config:
   out: pathlib.Path
 
   def __post_init__(self):
-    for problem in (self._stage_problem(), self._layout_problem()):
+    for problem in (self._options_problem(), self._layout_problem()):
       if problem:
         raise ValueError(problem)
 
@@ -117,14 +117,19 @@ class Config:
     """The mesh axes the batch is split over."""
     return tuple(axis for axis in ("replica", "data") if axis in self.mesh_shape)
 
-  def _stage_problem(self) -> str | None:
-    """What is wrong with the options for this stage, if anything."""
+  def _options_problem(self) -> str | None:
+    """What is wrong with the stage and its options, if anything."""
     if self.stage == 0 and (
       self.precision != "fp32" or self.microbatches != 1 or self.quantized_gradients
     ):
       return "--precision, --microbatches and --quantized-gradients apply to stages 1-3 (zerojax)"
     if self.stage != 3 and self.quantized_weights:
       return "--quantized-weights applies to stage 3, the one that gathers weights"
+    if self.quantization_block_size % 2:
+      return (
+        f"--quantization-block-size {self.quantization_block_size}: make it even (int4 packs "
+        "two codes a byte); 256 is ZeRO++'s"
+      )
     if self.stage == 0 and set(self.mesh_shape) != {"data"}:
       return "--stage 0 is plain data parallelism over --devices; --mesh is for stages 1-3"
     if self.stage == 0 and self.checkpoint_dir:
