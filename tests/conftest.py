@@ -2,18 +2,19 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when jax is imported
 
 import jax
 import pytest
 
+import zerojax
+
+zerojax.use_cpu_devices(8)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _eight_devices():
-  assert jax.device_count() == 8, "tests need 8 devices; is XLA_FLAGS set before jax is imported?"
+  assert jax.device_count() == 8, "tests need 8 devices; did something start JAX before conftest?"
 
 
 @pytest.fixture

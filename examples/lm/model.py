@@ -1,4 +1,4 @@
-"""The character-level GPT that examples/train_lm.py trains: its sizes, modules and sampler.
+"""The character-level GPT that examples/train_lm.py trains: its modules and sampler.
 
 A decoder-only transformer over bytes (pre-norm RMSNorm, causal multi-head
 attention, ReLU MLP, learned positions, tied embeddings) written as Flax Linen
@@ -12,7 +12,6 @@ tensor parallelism places the layers' weights.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -26,40 +25,12 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 import zerojax.flax
 
-VOCAB = 256  # bytes
+from . import configs
+from .data import VOCAB
+
 SAMPLE_PROMPT = "def "
 SAMPLE_LENGTH = 240
 SAMPLE_TEMPERATURE = 0.7
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-  """A model size and the defaults of the flags that go with it."""
-
-  d_model: int
-  n_layers: int
-  n_heads: int
-  seq_len: int
-  batch_size: int
-  lr: float
-  steps: int
-
-
-PRESETS = {
-  # For CI: seconds on a laptop CPU.
-  "tiny": Preset(d_model=64, n_layers=2, n_heads=4, seq_len=64, batch_size=32, lr=3e-3, steps=50),
-  # The default: a few minutes on a 2-core CPU, well below the unigram baseline.
-  "small": Preset(
-    d_model=128, n_layers=4, n_heads=4, seq_len=64, batch_size=32, lr=3e-3, steps=600
-  ),
-  # For accelerators.
-  "medium": Preset(
-    d_model=512, n_layers=8, n_heads=8, seq_len=256, batch_size=64, lr=6e-4, steps=5000
-  ),
-  "large": Preset(
-    d_model=1024, n_layers=24, n_heads=16, seq_len=512, batch_size=128, lr=3e-4, steps=20000
-  ),
-}
 
 
 def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -140,7 +111,8 @@ class GPT(nn.Module):
     return rms_norm(x, norm_out) @ embed.T
 
 
-def make_model(preset: Preset, seq_len: int) -> GPT:
+def make_model(preset: configs.Preset, seq_len: int) -> GPT:
+  """The GPT of ``preset``'s size, for windows of ``seq_len`` bytes."""
   return GPT(preset.d_model, preset.n_layers, preset.n_heads, seq_len)
 
 
