@@ -210,7 +210,7 @@ def measure_error(model) -> list[dict[str, Any]]:
       "weights": quantized_weights(loss, params, batch, mesh, name),
       "gradient": quantized_gradient(loss, params, batch, mesh, name),
     }
-    spec = zerojax.zero3(optax.sgd(0.0), mesh=mesh, quantized_weights=name).weight_quantization
+    spec = zerojax.zero3(optax.sgd(0.0), mesh=mesh, quantized_weights=name).quantized_weights
     payload = spec.moved_bytes(spec.block_size) / (4 * spec.block_size)
     row = {"format": name, "levels": 2 * spec.qmax + 1, "payload": payload}
     for what in ("weights", "gradient"):
