@@ -89,6 +89,20 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--batch", type=int, help="global batch (sequences); default: the preset's")
 
 
+def add_run_flags(
+  parser: argparse.ArgumentParser, *, warmup: int = 2, rounds: int = 10, steps: bool = True
+) -> None:
+  """Adds the flags every benchmark takes: where to write, and how to time (interleaved rounds).
+
+  ``steps=False`` leaves ``--steps`` to the script (quantization.py's means train_lm steps).
+  """
+  parser.add_argument("--markdown", metavar="PATH", help="write the results into this file")
+  parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps per setup")
+  parser.add_argument("--rounds", type=int, default=rounds, help="interleaved timing rounds")
+  if steps:
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per setup per round")
+
+
 def model_config(args: argparse.Namespace) -> ModelConfig:
   """The ``ModelConfig`` the flags describe: the preset, with any shape flag given instead."""
   given = {k: v for k, v in vars(args).items() if k in PRESETS[args.preset] and v is not None}
@@ -513,6 +527,52 @@ def measure(setups: list[Setup], times, ratios, psi: int, n: int) -> list[dict[s
 # ---------------------------------------------------------------------------
 # Reporting.
 # ---------------------------------------------------------------------------
+
+
+#: Every column the benchmarks' tables share, by the key of its row field: (title, format).
+COLUMNS = {
+  "n": ("N", "d"),
+  "setup": ("setup", "s"),
+  "persistent": ("params+opt MiB", ".3f"),
+  "estimate": ("estimator MiB", ".3f"),
+  "ideal": ("ZeRO formula MiB", ".3f"),
+  "arguments": ("XLA args MiB", ".2f"),
+  "temp": ("XLA temp MiB", ".2f"),
+  "peak": ("XLA peak MiB", ".2f"),
+  "all-gather": ("all-gather MiB", ".2f"),
+  "reduce-scatter": ("reduce-scatter MiB", ".2f"),
+  "all-reduce": ("all-reduce MiB", ".2f"),
+  "collective-permute": ("permute MiB", ".2f"),
+  "all-to-all": ("all-to-all MiB", ".2f"),
+  "volume": ("volume (Ψ)", ".2f"),
+  "ideal volume": ("ZeRO (Ψ)", ".0f"),
+  "step ms": ("median step ms", ".0f"),
+  "vs DP": ("time vs DP", ".2f"),
+  "range": ("per-round range", "s"),
+  "loss": ("final loss", ".5f"),
+}
+
+
+#: The columns of a step's collectives, and of its time against replicated DP's.
+COLLECTIVE_COLUMNS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "volume")
+TIME_COLUMNS = ("step ms", "vs DP", "range")
+
+
+def start(args: argparse.Namespace) -> tuple[Clock, ModelConfig, jax.sharding.Mesh]:
+  """A benchmark's start: ``--devices`` CPU devices, the clock, the model and a flat mesh."""
+  use_cpu_devices(args.devices)
+  mesh = jax.make_mesh((args.devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+  return Clock(), model_config(args), mesh
+
+
+def section(title: str, *lines: str) -> list[str]:
+  """A report's section: its bold title, then ``lines``, each block followed by a blank line."""
+  return [f"**{title}**", "", *lines, ""]
+
+
+def columns(*keys: str, more: dict[str, tuple[str, str]] | None = None) -> dict:
+  """The ``COLUMNS`` of ``keys``, in that order, then a script's own ``more``."""
+  return {key: COLUMNS[key] for key in keys} | (more or {})
 
 
 def table(rows: list[dict[str, Any]], columns: dict[str, tuple[str, str]]) -> str:
