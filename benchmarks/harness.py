@@ -89,6 +89,20 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--batch", type=int, help="global batch (sequences); default: the preset's")
 
 
+def add_run_flags(
+  parser: argparse.ArgumentParser, *, warmup: int = 2, rounds: int = 10, steps: bool = True
+) -> None:
+  """Adds the flags every benchmark takes: where to write, and how to time (interleaved rounds).
+
+  ``steps=False`` leaves ``--steps`` to the script (quantization.py's means train_lm steps).
+  """
+  parser.add_argument("--markdown", metavar="PATH", help="write the results into this file")
+  parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps per setup")
+  parser.add_argument("--rounds", type=int, default=rounds, help="interleaved timing rounds")
+  if steps:
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per setup per round")
+
+
 def model_config(args: argparse.Namespace) -> ModelConfig:
   """The ``ModelConfig`` the flags describe: the preset, with any shape flag given instead."""
   given = {k: v for k, v in vars(args).items() if k in PRESETS[args.preset] and v is not None}
@@ -150,29 +164,59 @@ def _block(layer: dict[str, jax.Array], h: jax.Array, heads: int) -> jax.Array:
   return h + jax.nn.gelu(_rms_norm(h, layer["norm2"]) @ layer["up"]) @ layer["down"]
 
 
-def make_loss(config: ModelConfig, activations: NamedSharding | None = None) -> Callable:
+#: How ``make_loss`` runs the layer stack, by name.
+STACKS = {
+  "scan": "zerojax.scan, each layer gathered one ahead, one collective per layer",
+  "scan, prefetch=0": "zerojax.scan gathering each layer in its own iteration",
+  "per-leaf": "jax.lax.scan under jax.checkpoint(policy=zerojax.remat_policy), each leaf "
+  "gathered on its own (zerojax before prefetching and bucketing)",
+  "gather": "jax.lax.scan under jax.checkpoint(policy=zerojax.remat_policy), the layer "
+  "gathered with one zerojax.gather",
+}
+
+
+def make_loss(
+  config: ModelConfig, activations: NamedSharding | None = None, stack: str = "scan"
+) -> Callable:
   """The mean next-token cross-entropy ``loss(params, tokens, targets)``.
 
   The same code runs on full parameters (``zerojax.gather`` passes arrays
-  through) and on zerojax shards, where each layer is gathered inside the scan
-  and re-gathered in the backward pass (``zerojax.remat_policy``).
+  through, ``zerojax.scan`` is ``jax.lax.scan``) and on zerojax shards, where
+  each layer is gathered for its iteration and again in the backward pass.
 
   Args:
     config: the model's shape.
     activations: if given, the residual stream is constrained to this
       sharding before every layer and before the head (GSPMD setups only).
+    stack: how the layers run, one of ``STACKS``.
   """
 
   def constrain(h):
     return h if activations is None else jax.lax.with_sharding_constraint(h, activations)
 
   def layer_step(h, layer):
-    return _block(zerojax.gather(layer), constrain(h), config.heads), None
+    return _block(layer, constrain(h), config.heads), None
+
+  def gathering(gather):
+    step = lambda h, layer: layer_step(h, gather(layer))
+    return lambda h, layers: jax.lax.scan(
+      jax.checkpoint(step, policy=zerojax.remat_policy), h, layers
+    )
+
+  run = {
+    "scan": lambda h, layers: zerojax.scan(layer_step, h, layers),
+    "scan, prefetch=0": lambda h, layers: zerojax.scan(layer_step, h, layers, prefetch=0),
+    "per-leaf": gathering(
+      lambda layer: jax.tree.map(
+        zerojax.gather, layer, is_leaf=lambda x: isinstance(x, zerojax.Shard)
+      )
+    ),
+    "gather": gathering(zerojax.gather),
+  }[stack]
 
   def loss(params, tokens, targets):
     h = zerojax.gather(params["embed"])[tokens]
-    scan_body = jax.checkpoint(layer_step, policy=zerojax.remat_policy)
-    h, _ = jax.lax.scan(scan_body, h, params["layers"])
+    h, _ = run(h, params["layers"])
     h = _rms_norm(constrain(h), zerojax.gather(params["norm"]))
     logits = (h @ zerojax.gather(params["head"])).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
@@ -289,7 +333,7 @@ def replicated_dp(config, mesh, params, batch) -> Setup:
   opt = optax.adam(1e-3)
   params, params_sharding = _placed(params, mesh, lambda _: P())
   state, state_sharding = _placed(opt.init(params), mesh, lambda _: P())
-  loss = make_loss(config, NamedSharding(mesh, P(AXIS)))
+  loss = make_loss(config, NamedSharding(mesh, P(AXIS)), stack="gather")
   shardings = (params_sharding, state_sharding, NamedSharding(mesh, P(AXIS)))
   return compile_plain("replicated DP", loss, opt, params, state, batch, shardings)
 
@@ -303,23 +347,29 @@ def gspmd_fsdp(config, mesh, params, batch, *, constrain_activations=True) -> Se
   activations = NamedSharding(mesh, P(AXIS)) if constrain_activations else None
   name = "GSPMD FSDP" if constrain_activations else "GSPMD FSDP, no act. constraint"
   shardings = (params_sharding, state_sharding, NamedSharding(mesh, P(AXIS)))
-  return compile_plain(name, make_loss(config, activations), opt, params, state, batch, shardings)
+  loss = make_loss(config, activations, stack="gather")
+  return compile_plain(name, loss, opt, params, state, batch, shardings)
 
 
-def zero_explicit(config, mesh, params, batch, *, stage: int, **options) -> Setup:
-  """``zerojax.value_and_grad`` with per-layer ``zerojax.gather`` in the scan.
+def zero_explicit(
+  config, mesh, params, batch, *, stage: int, stack: str = "scan", **options
+) -> Setup:
+  """``zerojax.value_and_grad``, the layers run as ``stack`` says (see ``STACKS``).
 
-  ``options`` go to ``zerojax.zero{stage}`` (``quantized_weights``, ...).
+  ``options`` go to ``zerojax.zero{stage}`` (``quantized_weights``, ...). The
+  setup is named ``zero{stage} explicit``, with the stack after a comma unless
+  it is ``zerojax.scan``'s default.
   """
   tx = ZERO[stage](optax.adam(1e-3), mesh=mesh, axis_name=AXIS, **options)
-  grad_fn = zerojax.value_and_grad(make_loss(config), tx)
-  return compile_zero(f"zero{stage} explicit", tx, grad_fn, params, batch)
+  grad_fn = zerojax.value_and_grad(make_loss(config, stack=stack), tx)
+  name = f"zero{stage} explicit" + ("" if stack == "scan" else f", {stack}")
+  return compile_zero(name, tx, grad_fn, params, batch)
 
 
 def zero_dropin(config, mesh, params, batch, *, stage: int, **options) -> Setup:
   """Plain ``jax.value_and_grad``; only the optimizer is wrapped."""
   tx = ZERO[stage](optax.adam(1e-3), mesh=mesh, axis_name=AXIS, **options)
-  grad_fn = jax.value_and_grad(make_loss(config, NamedSharding(mesh, P(AXIS))))
+  grad_fn = jax.value_and_grad(make_loss(config, NamedSharding(mesh, P(AXIS)), stack="gather"))
   return compile_zero(f"zero{stage} drop-in", tx, grad_fn, params, batch)
 
 
@@ -477,6 +527,52 @@ def measure(setups: list[Setup], times, ratios, psi: int, n: int) -> list[dict[s
 # ---------------------------------------------------------------------------
 # Reporting.
 # ---------------------------------------------------------------------------
+
+
+#: Every column the benchmarks' tables share, by the key of its row field: (title, format).
+COLUMNS = {
+  "n": ("N", "d"),
+  "setup": ("setup", "s"),
+  "persistent": ("params+opt MiB", ".3f"),
+  "estimate": ("estimator MiB", ".3f"),
+  "ideal": ("ZeRO formula MiB", ".3f"),
+  "arguments": ("XLA args MiB", ".2f"),
+  "temp": ("XLA temp MiB", ".2f"),
+  "peak": ("XLA peak MiB", ".2f"),
+  "all-gather": ("all-gather MiB", ".2f"),
+  "reduce-scatter": ("reduce-scatter MiB", ".2f"),
+  "all-reduce": ("all-reduce MiB", ".2f"),
+  "collective-permute": ("permute MiB", ".2f"),
+  "all-to-all": ("all-to-all MiB", ".2f"),
+  "volume": ("volume (Ψ)", ".2f"),
+  "ideal volume": ("ZeRO (Ψ)", ".0f"),
+  "step ms": ("median step ms", ".0f"),
+  "vs DP": ("time vs DP", ".2f"),
+  "range": ("per-round range", "s"),
+  "loss": ("final loss", ".5f"),
+}
+
+
+#: The columns of a step's collectives, and of its time against replicated DP's.
+COLLECTIVE_COLUMNS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "volume")
+TIME_COLUMNS = ("step ms", "vs DP", "range")
+
+
+def start(args: argparse.Namespace) -> tuple[Clock, ModelConfig, jax.sharding.Mesh]:
+  """A benchmark's start: ``--devices`` CPU devices, the clock, the model and a flat mesh."""
+  use_cpu_devices(args.devices)
+  mesh = jax.make_mesh((args.devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+  return Clock(), model_config(args), mesh
+
+
+def section(title: str, *lines: str) -> list[str]:
+  """A report's section: its bold title, then ``lines``, each block followed by a blank line."""
+  return [f"**{title}**", "", *lines, ""]
+
+
+def columns(*keys: str, more: dict[str, tuple[str, str]] | None = None) -> dict:
+  """The ``COLUMNS`` of ``keys``, in that order, then a script's own ``more``."""
+  return {key: COLUMNS[key] for key in keys} | (more or {})
 
 
 def table(rows: list[dict[str, Any]], columns: dict[str, tuple[str, str]]) -> str:

@@ -27,7 +27,6 @@ from typing import Any
 import harness
 import jax
 import optax
-from jax.sharding import AxisType
 
 import zerojax
 
@@ -104,15 +103,9 @@ def measure_accumulation(model, mesh, psi: int) -> list[dict[str, Any]]:
   return rows
 
 
-PRECISION_COLUMNS = {
-  "setup": ("setup", "s"),
-  "persistent": ("params+opt MiB", ".3f"),
-  "estimate": ("estimator MiB", ".3f"),
-  "saved": ("saved vs fp32", ".0%"),
-  "temp": ("XLA temp MiB", ".2f"),
-  "all-gather": ("all-gather MiB", ".2f"),
-  "reduce-scatter": ("reduce-scatter MiB", ".2f"),
-}
+PRECISION_COLUMNS = harness.columns(
+  "setup", "persistent", "estimate", more={"saved": ("saved vs fp32", ".0%")}
+) | harness.columns("temp", "all-gather", "reduce-scatter")
 ACCUMULATION_COLUMNS = {
   "setup": ("stage", "s"),
   "one": ("temp MiB, 1 micro-batch", ".2f"),
@@ -158,10 +151,7 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict]]:
   """Measures every stage and policy, prints the tables, and optionally writes them out."""
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
-  harness.use_cpu_devices(args.devices)
-  clock = harness.Clock()
-  model = harness.model_config(args)
-  mesh = jax.make_mesh((args.devices,), (harness.AXIS,), axis_types=(AxisType.Auto,))
+  clock, model, mesh = harness.start(args)
   psi = harness.model_parameter_count(model)
   precision_rows = measure_precision(model, mesh)
   accumulation_rows = measure_accumulation(model, mesh, psi)

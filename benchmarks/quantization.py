@@ -210,7 +210,7 @@ def measure_error(model) -> list[dict[str, Any]]:
       "weights": quantized_weights(loss, params, batch, mesh, name),
       "gradient": quantized_gradient(loss, params, batch, mesh, name),
     }
-    spec = zerojax.zero3(optax.sgd(0.0), mesh=mesh, quantized_weights=name).weight_quantization
+    spec = zerojax.zero3(optax.sgd(0.0), mesh=mesh, quantized_weights=name).quantized_weights
     payload = spec.moved_bytes(spec.block_size) / (4 * spec.block_size)
     row = {"format": name, "levels": 2 * spec.qmax + 1, "payload": payload}
     for what in ("weights", "gradient"):
@@ -253,26 +253,36 @@ def quantized_gradient(loss, params, batch, mesh, name: str) -> Any:
   return tx.gather(grads)
 
 
-BYTES_COLUMNS = {
-  "setup": ("setup", "s"),
-  **{kind: (f"{kind} MiB", ".3f") for kind in KINDS},
-  "volume": ("volume (Ψ)", ".3f"),
-  "weights vs fp32": ("weight gathers vs fp32", ".3f"),
-  "gradients vs fp32": ("gradient reduction vs fp32", ".3f"),
-  "vs unquantized": ("volume vs fp32", ".3f"),
-  "vs zero": ("volume vs ZeRO's 2Ψ/3Ψ", ".3f"),
-  "temp": ("XLA temp MiB", ".2f"),
-  "temp vs unquantized": ("temp vs fp32", ".3f"),
-  "time": ("step time vs fp32 (CPU)", ".2f"),
-  "range": ("per-round range", "s"),
-}
-PATHS_COLUMNS = {
-  "setup": ("setup", "s"),
-  "path": ("path", "s"),
-  "mesh": ("mesh", "s"),
-  "data": ("over data (Ψ)", ".3f"),
-  "replica": ("over replica (Ψ)", ".3f"),
-}
+BYTES_COLUMNS = (
+  harness.columns(
+    "setup",
+    *KINDS,
+    "volume",
+    more={
+      "weights vs fp32": ("weight gathers vs fp32", ".3f"),
+      "gradients vs fp32": ("gradient reduction vs fp32", ".3f"),
+      "vs unquantized": ("volume vs fp32", ".3f"),
+      "vs zero": ("volume vs ZeRO's 2Ψ/3Ψ", ".3f"),
+    },
+  )
+  | harness.columns(
+    "temp",
+    more={
+      "temp vs unquantized": ("temp vs fp32", ".3f"),
+      "time": ("step time vs fp32 (CPU)", ".2f"),
+    },
+  )
+  | harness.columns("range")
+)
+PATHS_COLUMNS = harness.columns(
+  "setup",
+  more={
+    "path": ("path", "s"),
+    "mesh": ("mesh", "s"),
+    "data": ("over data (Ψ)", ".3f"),
+    "replica": ("over replica (Ψ)", ".3f"),
+  },
+)
 ERROR_COLUMNS = {
   "format": ("format", "s"),
   "levels": ("levels", "d"),
@@ -341,22 +351,17 @@ def bytes_section(model, args, argv, psi, clock, rows, paths, errors, plot) -> s
       f"{harness.describe_model(model, psi)} {timing} Block size "
       f"{DEFAULT_BLOCK_SIZE}. Ratios are to the same stage unquantized.",
       "",
-      "**Bytes, temporaries and time per step**",
-      "",
-      harness.table(rows, BYTES_COLUMNS),
-      "",
+      *harness.section("Bytes, temporaries and time per step", harness.table(rows, BYTES_COLUMNS)),
       *([f"![bytes per step by collective kind]({plot})", ""] if plot else []),
-      "**Targets**",
-      "",
-      *bytes_targets(rows),
-      "",
-      "**The drop-in path (unquantized), and hybrid sharding's two axes**",
-      "",
-      harness.table(paths, PATHS_COLUMNS),
-      "",
-      "**Quantization error on the model's initial weights and first gradient**",
-      "",
-      harness.table(errors, ERROR_COLUMNS),
+      *harness.section("Targets", *bytes_targets(rows)),
+      *harness.section(
+        "The drop-in path (unquantized), and hybrid sharding's two axes",
+        harness.table(paths, PATHS_COLUMNS),
+      ),
+      *harness.section(
+        "Quantization error on the model's initial weights and first gradient",
+        harness.table(errors, ERROR_COLUMNS),
+      ),
     ]
   )
 
@@ -561,8 +566,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--devices", type=int, default=8, help="forced CPU devices")
   harness.add_model_flags(parser)
   parser.set_defaults(d_model=128, vocab=256, batch=16)
-  parser.add_argument("--warmup", type=int, default=2, help="untimed steps per setup")
-  parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds")
   parser.add_argument(
     "--steps-per-round", type=int, default=2, help="timed steps per setup per round"
   )
@@ -582,7 +585,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--skip-bytes", action="store_true", help="only the convergence runs")
   parser.add_argument("--skip-convergence", action="store_true", help="only the bytes")
   parser.add_argument("--out", type=pathlib.Path, help="keep the runs' train_lm outputs here")
-  parser.add_argument("--markdown", metavar="PATH", help="write the results into this file")
+  harness.add_run_flags(parser, steps=False)
   parser.add_argument("--plots", metavar="DIR", help="save the PNG plots into this directory")
   return parser.parse_args(argv)
 

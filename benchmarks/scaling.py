@@ -385,46 +385,32 @@ def plot_communication(rows: list[dict], path: str) -> None:
 # ---------------------------------------------------------------------------
 
 # Column key: (title, format).
-MEMORY_COLUMNS = {
-  "n": ("N", "d"),
-  "setup": ("setup", "s"),
-  "persistent": ("params+opt MiB", ".3f"),
-  "estimate": ("estimator MiB", ".3f"),
-  "vs estimate": ("measured / estimator", ".4f"),
-  "ideal": ("ZeRO formula MiB", ".3f"),
-  "temp": ("XLA temp MiB", ".2f"),
-  "peak": ("XLA peak MiB", ".2f"),
-}
-COMMS_COLUMNS = {
-  "n": ("N", "d"),
-  "setup": ("setup", "s"),
-  "all-gather": ("all-gather MiB", ".2f"),
-  "reduce-scatter": ("reduce-scatter MiB", ".2f"),
-  "all-reduce": ("all-reduce MiB", ".2f"),
-  "all-to-all": ("all-to-all MiB", ".2f"),
-  "volume": ("volume (Ψ)", ".2f"),
-  "ideal volume": ("ZeRO (Ψ)", ".0f"),
-  "step ms": ("median step ms", ".0f"),
-  "vs DP": ("time vs DP", ".2f"),
-  "range": ("per-round range", "s"),
-  "vs FSDP": ("time vs GSPMD FSDP", ".2f"),
-  "fsdp_range": ("its per-round range", "s"),
-  "loss": ("final loss", ".5f"),
-}
+MEMORY_COLUMNS = harness.columns(
+  "n", "setup", "persistent", "estimate", more={"vs estimate": ("measured / estimator", ".4f")}
+) | harness.columns("ideal", "temp", "peak")
+COMMS_COLUMNS = harness.columns(
+  "n",
+  "setup",
+  *harness.COLLECTIVE_COLUMNS,
+  "ideal volume",
+  *harness.TIME_COLUMNS,
+  more={"vs FSDP": ("time vs GSPMD FSDP", ".2f"), "fsdp_range": ("its per-round range", "s")},
+) | harness.columns("loss")
 
 
-MULTI_AXIS_COLUMNS = {
-  "setup": ("setup", "s"),
-  "mesh": ("mesh", "s"),
-  "persistent": ("params+opt MiB", ".2f"),
-  "ideal": ("formula MiB", ".2f"),
-  "temp": ("XLA temp MiB", ".2f"),
-  "replica Ψ": ("over replica (Ψ)", ".2f"),
-  "data Ψ": ("over data (Ψ)", ".2f"),
-  "model Ψ": ("over model (Ψ)", ".2f"),
-  "vs DP": ("time vs DP", ".2f"),
-  "range": ("per-round range", "s"),
-}
+MULTI_AXIS_COLUMNS = (
+  harness.columns(
+    "setup",
+    more={"mesh": ("mesh", "s")},
+  )
+  | harness.columns(
+    "persistent",
+    "ideal",
+    "temp",
+    more={f"{axis} Ψ": (f"over {axis} (Ψ)", ".2f") for axis in ("replica", "data", "model")},
+  )
+  | harness.columns("vs DP", "range")
+)
 
 
 def plot_multi_axis(rows: list[dict], path: str) -> None:
@@ -476,20 +462,12 @@ def report(
     "",
     f"{model} {timing}",
     "",
-    "**Memory per device**",
-    "",
-    harness.table(rows, MEMORY_COLUMNS),
-    "",
-    "**Communication and time per step**",
-    "",
-    harness.table(rows, COMMS_COLUMNS),
-    "",
+    *harness.section("Memory per device", harness.table(rows, MEMORY_COLUMNS)),
+    *harness.section("Communication and time per step", harness.table(rows, COMMS_COLUMNS)),
     *(f"![{title}]({path})\n" for title, path in plots.items()),
-    "**Targets**",
-    "",
-    memory_target(rows),
-    *communication_targets(rows),
-    *time_targets(rows),
+    *harness.section(
+      "Targets", memory_target(rows), *communication_targets(rows), *time_targets(rows)
+    ),
   ]
   if multi_axis:
     lines += [
@@ -538,10 +516,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   )
   harness.add_model_flags(parser)
   parser.set_defaults(d_model=128, vocab=256, batch=16)
-  parser.add_argument("--warmup", type=int, default=1, help="untimed steps per setup")
-  parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per N")
-  parser.add_argument("--steps", type=int, default=1, help="timed steps per setup per round")
-  parser.add_argument("--markdown", metavar="PATH", help="write the results into this file")
+  harness.add_run_flags(parser, warmup=1, rounds=7)
   parser.add_argument("--plots", metavar="DIR", help="save the PNG plots into this directory")
   parser.add_argument(
     "--no-multi-axis",

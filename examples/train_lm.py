@@ -169,6 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     default=1,
     help="micro-batches accumulated per step, per device (stages 1-3)",
   )
+  parser.add_argument(
+    "--prefetch",
+    type=int,
+    choices=(0, 1),
+    default=1,
+    help="layers zerojax.scan gathers ahead of the compute: 1 overlaps the gathers with the "
+    "compute on GPUs and TPUs; 0 serialises them, cheaper on CPU, where collectives are "
+    "synchronous (same numbers)",
+  )
   add_parallelism_flags(parser)
   add_precision_flags(parser)
   add_checkpoint_flags(parser)

@@ -52,7 +52,7 @@ def unlinked(text: str) -> list[tuple[str, str]]:
   rendezvous key); loops count if their body holds one. GSPMD's collectives
   have channel ids of their own and cannot meet in the wrong rendezvous.
   """
-  computations, entry = hlo._parse_module(text)
+  computations, entry = hlo.parse_module(text)
 
   @functools.cache
   def holds(name: str) -> bool:
@@ -88,7 +88,7 @@ def _is_shard_map_collective(instruction) -> bool:
 def _callees(instruction) -> list[str]:
   return [
     callee
-    for _, names in hlo._CALLEES.findall(instruction.attributes)
+    for _, names in hlo.CALLEES.findall(instruction.attributes)
     for callee in re.findall(r"[\w.\-]+", names.replace("%", " "))
   ]
 

@@ -122,7 +122,7 @@ def test_options_are_checked():
   tx = zerojax.zero1(
     optax.sgd(0.1), mesh=mesh, quantized_gradients="int8", quantization_block_size=np.int64(64)
   )
-  assert tx.gradient_quantization == quantize.Quantization(8, 64)
+  assert tx.quantized_gradients == quantize.Quantization(8, 64)
 
 
 # --------------------------------------------------------------------- collectives
@@ -377,6 +377,8 @@ builtins.__import__ = refusing_import
 import jax, jax.numpy as jnp, optax
 import zerojax
 from zerojax._src import distributed
+
+zerojax.use_cpu_devices(8)
 
 # The exit-hook shortcut gives up quietly: crashes just exit the slow way.
 hook = sys.excepthook

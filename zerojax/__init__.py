@@ -15,11 +15,14 @@ from zerojax._src.export import export_safetensors, load_params
 from zerojax._src.grad import value_and_grad
 from zerojax._src.hlo import Collective, count_collectives, count_collectives_by_axes
 from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
+from zerojax._src.overlap import LoopCollectives, loop_collectives
 from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
 from zerojax._src.preemption import PREEMPTED_EXIT_CODE, preemption_requested
 from zerojax._src.profile import StepProfile, profile
 from zerojax._src.quantize import Quantization
-from zerojax._src.zero import ZeroState, ZeroTransformation, zero1, zero2, zero3
+from zerojax._src.scan import scan
+from zerojax._src.state import ZeroState
+from zerojax._src.zero import ZeroTransformation, zero1, zero2, zero3
 
 __version__ = "0.1.0"
 
@@ -32,6 +35,7 @@ __all__ = (
   "DynamicLossScale",
   "Layout",
   "LeafLayout",
+  "LoopCollectives",
   "LossScaleState",
   "MemoryEstimate",
   "Precision",
@@ -53,9 +57,11 @@ __all__ = (
   "global_batch",
   "initialize",
   "load_params",
+  "loop_collectives",
   "preemption_requested",
   "profile",
   "remat_policy",
+  "scan",
   "train_state_spec",
   "use_cpu_devices",
   "value_and_grad",

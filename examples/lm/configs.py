@@ -66,6 +66,7 @@ class Config:
     quantized_gradients: ``"int8"``, ``"int4"`` or ``None``.
     quantization_block_size: elements per scale.
     microbatches: micro-batches accumulated per step.
+    prefetch: layers gathered ahead of the compute by ``zerojax.scan`` (0 or 1).
     checkpoint_dir: where checkpoints go (``None``: no checkpoints).
     save_every: steps between checkpoints.
     keep: checkpoints to keep.
@@ -89,6 +90,7 @@ class Config:
   quantized_gradients: str | None
   quantization_block_size: int
   microbatches: int
+  prefetch: int
   checkpoint_dir: pathlib.Path | None
   save_every: int
   keep: int

@@ -30,7 +30,7 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   leader = jax.process_index() == 0  # in a multi-process run, the one that prints and writes
   say = print if leader else lambda *_, **__: None
   batches = lm_data.Batches(config, mesh)
-  model = lm_model.make_model(config.preset, config.seq_len)
+  model = lm_model.make_model(config.preset, config.seq_len, config.prefetch)
   loss = functools.partial(lm_model.loss_fn, model=model)
   optimizer = stages.make_optimizer(config.lr, config.steps)
   setup = stages.make_setup(

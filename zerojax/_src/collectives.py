@@ -5,8 +5,8 @@ the loss function as a ``Shard``: this device's piece plus the static facts
 ``gather`` needs (which dimension, how much padding). ``gather`` turns it into
 the full array:
 
-* stage 3: a tiled ``all_gather`` whose backward pass is a ``psum_scatter``,
-  so the gradient comes back reduce-scattered, one layer at a time in a scan;
+* stage 3: an all-gather whose backward pass is a reduce-scatter, so the
+  gradient comes back reduce-scattered, one layer at a time in a scan;
 * stage 2: the parameter is already whole on every device, so the forward pass
   reads it as is, and a custom VJP reduce-scatters the cotangent into a
   shard-sized gradient "sink" during the backward pass.
@@ -16,20 +16,21 @@ Both cast on the way: the weight to the compute dtype before the all-gather
 before the reduce-scatter, and the result to the master dtype. With
 quantization (``quantized_weights``, ``quantized_gradients``) the all-gather
 moves block-quantized integers instead, and the reduce-scatter becomes an
-all-to-all of quantized chunks summed in float32 (see ``quantize.py``).
+all-to-all of quantized chunks summed in float32 (see ``quantize.py``). The
+shards opened together move together, one collective each way
+(``buckets.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from zerojax._src import quantize
+from zerojax._src import buckets, quantize
 
 #: ``jax.checkpoint_name`` of every array ``gather`` returns.
 GATHERED = "zerojax_gathered"
@@ -134,9 +135,12 @@ def gather(tree: Any) -> Any:
 
   Call it inside the loss function given to ``zerojax.value_and_grad``, as late
   as possible: inside a ``jax.lax.scan`` over stacked layers, gather the layer
-  the body is about to use, so that only one layer is ever whole. Leaves that
+  the body is about to use, so that only one layer is ever whole (or let
+  ``zerojax.scan`` gather each layer for you, one layer ahead). Leaves that
   are already full arrays pass through, so the same model code runs at every
-  stage and outside ``value_and_grad`` (for evaluation).
+  stage and outside ``value_and_grad`` (for evaluation). The shards of one
+  call travel together: one all-gather for all of them, and one
+  reduce-scatter for their gradients.
 
   Args:
     tree: a pytree whose leaves are ``Shard`` s or arrays.
@@ -149,65 +153,71 @@ def gather(tree: Any) -> Any:
     >>> zerojax.gather({"w": jnp.ones(3)})["w"]
     Array([1., 1., 1.], dtype=float32)
   """
-  return jax.tree.map(
-    lambda x: _gather(x) if isinstance(x, Shard) else x,
-    tree,
-    is_leaf=lambda x: isinstance(x, Shard),
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, Shard))
+  groups: dict[Any, list[int]] = {}
+  for index, leaf in enumerate(leaves):
+    if isinstance(leaf, Shard):
+      groups.setdefault(_bucket_key(leaf), []).append(index)
+  for indices in groups.values():
+    for index, full in zip(indices, open_shards([leaves[i] for i in indices]), strict=True):
+      leaves[index] = full
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def open_shards(shards: list[Shard]) -> list[jax.Array]:
+  """The full parameters of ``shards``, which share a bucket (see ``_bucket_key``).
+
+  Stage 3 gathers them with one all-gather; stage 2 reads its replicated
+  copies. Either way their gradients are reduce-scattered together.
+  """
+  bucket = bucket_of(shards)
+  values = [shard.value for shard in shards]
+  if shards[0].sink is None:
+    fulls = buckets.gather(bucket, values)
+  else:
+    fulls = buckets.read(bucket, values, [shard.sink for shard in shards])
+  return [checkpoint_name(full, GATHERED) for full in fulls]
+
+
+def bucket_of(shards: list[Shard]) -> buckets.Bucket:
+  """The static ``Bucket`` that opens ``shards`` together."""
+  first = shards[0]
+  return buckets.Bucket(
+    tuple(map(_piece, shards)),
+    first.axis_name,
+    first.replica_axes,
+    first.quantized_weights,
+    first.quantized_gradients,
   )
 
 
-def _gather(shard: Shard) -> jax.Array:
+def _bucket_key(shard: Shard) -> tuple[Any, ...]:
+  """What shards must share to travel in one bucket: kind, axes and quantization."""
+  return (
+    shard.sink is None,
+    shard.axis_name,
+    shard.replica_axes,
+    shard.quantized_weights,
+    shard.quantized_gradients,
+  )
+
+
+def _piece(shard: Shard) -> buckets.Piece:
+  value = shard.value
+  compute = jnp.dtype(shard.compute_dtype or value.dtype)
   if shard.sink is None:
-    axis = shard.value.ndim + shard.dim
-    compute = shard.compute_dtype or shard.value.dtype
-    wire = _Wire(
-      compute,
-      shard.reduce_dtype,
-      shard.value.dtype,
-      shard.quantized_weights,
-      shard.quantized_gradients,
-    )
-    full = _all_gather(shard.value, axis, shard.axis_name, wire)
-    full = jax.lax.slice_in_dim(full, 0, shard.size, axis=axis)
-  else:
-    # Stage 2 stores the replicated copy in the compute dtype already.
-    wire = _Wire(
-      shard.value.dtype, shard.reduce_dtype, shard.sink.dtype, None, shard.quantized_gradients
-    )
-    # The gradient's padded size: a dimension shared with other mesh axes may
-    # be padded to more than a multiple of the data shards.
-    padded = shard.sink.shape[shard.sink.ndim + shard.dim] * jax.lax.axis_size(shard.axis_name)
-    place = _Placement(shard.dim, padded, shard.axis_name, shard.replica_axes)
-    full = _read_whole(shard.value, shard.sink, place, wire)
-  return checkpoint_name(full, GATHERED)
-
-
-class _Wire(NamedTuple):
-  """How one gather's collectives move data.
-
-  Forward: cast to ``compute`` (or quantize as ``weights``); backward: cast to
-  ``reduce`` (and quantize as ``gradients``), then to ``grad``.
-  """
-
-  compute: Any
-  reduce: Any
-  grad: Any
-  weights: quantize.Quantization | None
-  gradients: quantize.Quantization | None
-
-  def for_reduction(self, cotangent: jax.Array) -> jax.Array:
-    return cotangent.astype(self.reduce or cotangent.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _all_gather(value, axis, axis_name, wire):
-  """A tiled all-gather in the compute dtype whose backward pass reduce-scatters."""
-  if _quantizable(value, wire.weights):
-    return quantize.all_gather(value, axis_name, axis, wire.weights, wire.compute)
-  if value.dtype == wire.compute:
-    return jax.lax.all_gather(value, axis_name, axis=axis, tiled=True)
-  bits = as_bits(value.astype(wire.compute))
-  return from_bits(jax.lax.all_gather(bits, axis_name, axis=axis, tiled=True), wire.compute)
+    shard_shape, grad = value.shape, value.dtype
+  else:  # stage 2: the replicated copy is already in the compute dtype
+    shard_shape, grad = shard.sink.shape, shard.sink.dtype
+  return buckets.Piece(
+    axis=value.ndim + shard.dim,
+    size=shard.size,
+    shard_shape=tuple(shard_shape),
+    compute=compute,
+    reduce=jnp.dtype(shard.reduce_dtype or compute),
+    grad=jnp.dtype(grad),
+    quantized=not jnp.issubdtype(value.dtype, jnp.complexfloating),
+  )
 
 
 def as_bits(x: jax.Array) -> jax.Array:
@@ -223,19 +233,6 @@ def as_bits(x: jax.Array) -> jax.Array:
 def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
   """The inverse of ``as_bits``."""
   return jax.lax.bitcast_convert_type(bits, dtype)
-
-
-def _all_gather_fwd(value, axis, axis_name, wire):
-  return _all_gather(value, axis, axis_name, wire), None
-
-
-def _all_gather_bwd(axis, axis_name, wire, residuals, cotangent):
-  del residuals
-  grad = reduce_scatter(wire.for_reduction(cotangent), axis_name, axis, wire.gradients)
-  return (grad.astype(wire.grad),)
-
-
-_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
 def reduce_scatter(
@@ -301,38 +298,3 @@ def scatter(
     widths[axis] = (0, padding)
     x = jnp.pad(x, widths)
   return reduce_scatter(x, axis_name, axis, quantization)
-
-
-class _Placement(NamedTuple):
-  """Where a stage-2 gradient goes: its dimension, padded size and axes."""
-
-  dim: int
-  padded: int
-  axis_name: Any
-  replica_axes: tuple[str, ...]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _read_whole(value, sink, place, wire):
-  """Reads a replicated parameter; its gradient goes, reduce-scattered, to ``sink``."""
-  del sink, wire
-  # Varying, so that the cotangent reaching the backward pass is this device's
-  # own, not one JAX has already all-reduced (over replicas either).
-  data = (place.axis_name,) if isinstance(place.axis_name, str) else tuple(place.axis_name)
-  return jax.lax.pcast(value, (*data, *place.replica_axes), to="varying")
-
-
-def _read_whole_fwd(value, sink, place, wire):
-  return _read_whole(value, sink, place, wire), None
-
-
-def _read_whole_bwd(place, wire, residuals, cotangent):
-  del residuals
-  # The stored replicated copy is already in the compute dtype (the master copy
-  # lives elsewhere), so the cotangent's shape and dtype are the value's.
-  reduced = wire.for_reduction(cotangent)
-  grad = scatter(reduced, place.dim, place.axis_name, place.padded, wire.gradients)
-  return jnp.zeros(cotangent.shape, cotangent.dtype), grad.astype(wire.grad)
-
-
-_read_whole.defvjp(_read_whole_fwd, _read_whole_bwd)

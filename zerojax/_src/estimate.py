@@ -10,10 +10,12 @@ import optax
 
 from zerojax._src import layout as layout_lib
 from zerojax._src import precision as precision_lib
-from zerojax._src import quantize
-from zerojax._src import zero as zero_lib
+from zerojax._src import quantize, stages
+from zerojax._src.plans import Planner
+from zerojax._src.settings import Settings
+from zerojax._src.state import bookkeeping
 
-STAGES = (0, 1, 2, 3)
+STAGES = stages.NUMBERS
 
 
 class MemoryEstimate(NamedTuple):
@@ -38,13 +40,10 @@ class MemoryEstimate(NamedTuple):
   total: float
 
 
-# The first stage that splits each kind of model state over the devices.
-_PARAMS_SPLIT_FROM, _GRADS_SPLIT_FROM, _STATE_SPLIT_FROM = 3, 2, 1
-
-
-def _check(num_devices: int, stage: int, replicas: int = 1, tensor_parallel: int = 1) -> None:
-  if stage not in STAGES:
-    raise ValueError(f"stage must be one of {STAGES} (0 is plain data parallelism), got {stage}.")
+def _check(
+  num_devices: int, stage: int, replicas: int = 1, tensor_parallel: int = 1
+) -> stages.Stage:
+  """The ``Stage`` numbered ``stage``, once the counts are checked."""
   for name, value in (
     ("num_devices", num_devices),
     ("replicas", replicas),
@@ -52,11 +51,12 @@ def _check(num_devices: int, stage: int, replicas: int = 1, tensor_parallel: int
   ):
     if value < 1:
       raise ValueError(f"{name} must be at least 1, got {value}.")
+  return stages.of(stage)
 
 
-def _share(stage: int, split_from: int, whole: float, split: float, num_devices: int) -> float:
-  """Bytes per device: ``split / N`` from stage ``split_from`` on, else ``whole``."""
-  return split / num_devices if stage >= split_from else float(whole)
+def _share(splits: bool, whole: float, split: float, num_devices: int) -> float:
+  """Bytes per device: ``split / N`` if the stage splits this model state, else ``whole``."""
+  return split / num_devices if splits else float(whole)
 
 
 def _estimate(params, grads, state) -> MemoryEstimate:
@@ -112,13 +112,13 @@ def estimate_memory(
     ...   7.5e9, num_devices=8, replicas=2, tensor_parallel=4, stage=3).total / 1e9, 2)
     3.75
   """
-  _check(num_devices, stage, replicas, tensor_parallel)
+  stage_ = _check(num_devices, stage, replicas, tensor_parallel)
   num_params = num_params / tensor_parallel
-  share = lambda split_from, size: _share(stage, split_from, size, size, num_devices)
+  share = lambda splits, size: _share(splits, size, size, num_devices)
   return _estimate(
-    share(_PARAMS_SPLIT_FROM, num_params * param_bytes),
-    share(_GRADS_SPLIT_FROM, num_params * grad_bytes),
-    share(_STATE_SPLIT_FROM, num_params * state_bytes),
+    share(stage_.splits_params, num_params * param_bytes),
+    share(stage_.splits_grads, num_params * grad_bytes),
+    share(stage_.splits_state, num_params * state_bytes),
   )
 
 
@@ -162,24 +162,26 @@ def estimate_tree_memory(
     ... ).params
     2097152.0
   """
-  _check(num_devices, stage)
+  stage_ = _check(num_devices, stage)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-  policy = precision_lib.resolve(precision)
-  mesh = jax.sharding.AbstractMesh((num_devices,), ("data",))
-  planner = zero_lib.Planner(
-    optimizer, max(stage, 1), mesh, ("data",), (), None, min_shard_size, policy
+  settings = Settings(
+    inner=optax.with_extra_args_support(optimizer),
+    stage=stage_,
+    mesh=jax.sharding.AbstractMesh((num_devices,), ("data",)),
+    min_shard_size=min_shard_size,
+    precision=precision_lib.resolve(precision),
   )
+  planner = Planner(settings)
   plans = planner.plan(abstract)
   state = [plans.state] + ([plans.master] if plans.master is not None else [])
-  if stage:
-    bookkeeping = jax.eval_shape(lambda: zero_lib.bookkeeping(policy))
-    state.append(layout_lib.plan(bookkeeping, axis_name="data", num_shards=num_devices))
+  if stage_.splits_state:
+    state.append(planner.split(jax.eval_shape(lambda: bookkeeping(settings.precision))))
   state_bytes = [_bytes(layout, num_devices) for layout in state]
-  share = lambda split_from, counts: _share(stage, split_from, *counts, num_devices)
+  share = lambda splits, counts: _share(splits, *counts, num_devices)
   return _estimate(
-    share(_PARAMS_SPLIT_FROM, _bytes(plans.params, num_devices)),
-    share(_GRADS_SPLIT_FROM, _bytes(plans.sharded, num_devices)),
-    share(_STATE_SPLIT_FROM, tuple(map(sum, zip(*state_bytes, strict=True)))),
+    share(stage_.splits_params, _bytes(plans.params, num_devices)),
+    share(stage_.splits_grads, _bytes(plans.sharded, num_devices)),
+    share(stage_.splits_state, tuple(map(sum, zip(*state_bytes, strict=True)))),
   )
 
 
@@ -240,12 +242,12 @@ def estimate_communication(
   *,
   num_devices: int,
   stage: int,
-  replicas: int = 1,
-  param_bytes: float = 2,
-  grad_bytes: float = 2,
   quantized_weights: str | None = None,
   quantized_gradients: str | None = None,
   quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
+  replicas: int = 1,
+  param_bytes: float = 2,
+  grad_bytes: float = 2,
   regather: bool = True,
 ) -> CommunicationEstimate:
   """Bytes per device per step that ``zerojax.value_and_grad`` and ``tx.update`` move.
@@ -274,13 +276,13 @@ def estimate_communication(
     num_params: Ψ, the number of parameters.
     num_devices: N, the size of the data-parallel axes.
     stage: 0, 1, 2 or 3.
-    replicas: the size of the replica axes (hybrid sharding).
-    param_bytes: bytes per parameter as gathered (the compute dtype's).
-    grad_bytes: bytes per gradient element as reduced (the reduce dtype's).
     quantized_weights: stage 3 only: ``"int8"``, ``"int4"`` or ``None``, as
       for ``zerojax.zero3``.
     quantized_gradients: stages 1 to 3: ``"int8"``, ``"int4"`` or ``None``.
     quantization_block_size: elements per scale.
+    replicas: the size of the replica axes (hybrid sharding).
+    param_bytes: bytes per parameter as gathered (the compute dtype's).
+    grad_bytes: bytes per gradient element as reduced (the reduce dtype's).
     regather: stage 3: whether the backward pass gathers the weights again
       (remat with ``zerojax.remat_policy``).
 
@@ -302,17 +304,17 @@ def estimate_communication(
     >>> hybrid.replica_reductions
     234375000.0
   """
-  _check(num_devices, stage, replicas)
+  stage_ = _check(num_devices, stage, replicas)
   weights = quantize.resolve("quantized_weights", quantized_weights, quantization_block_size)
   gradients = quantize.resolve("quantized_gradients", quantized_gradients, quantization_block_size)
   quantize.check_stage(stage, quantized_weights)
-  if gradients is not None and stage == 0:
+  if gradients is not None and not stage_.splits_state:
     raise ValueError(
       "quantized_gradients quantizes the gradient reduce-scatters of stages 1 to 3; plain "
       "data parallelism (stage 0) all-reduces with XLA's collectives, which zerojax does not "
       "quantize. Pass stage=1, 2 or 3."
     )
-  if stage == 0:
+  if not stage_.splits_state:
     all_reduced = float(num_params * grad_bytes) if replicas * num_devices > 1 else 0.0
     return _communication(0.0, all_reduced, 0.0)
 
@@ -323,7 +325,7 @@ def estimate_communication(
       return float(num_params * element_bytes)
     return quantization.moved_bytes(num_params)
 
-  passes = 2 if stage == 3 and regather else 1
+  passes = 2 if stage_.splits_params and regather else 1
   shard = num_params / num_devices
   if replicas == 1:
     across = 0.0

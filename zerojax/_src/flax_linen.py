@@ -4,16 +4,20 @@ Inside ``zerojax.value_and_grad`` the parameters the layout splits reach
 ``model.apply`` as ``zerojax.Shard`` s. Wrapping a module class with
 ``gathered`` passes its ``"params"`` through ``zerojax.gather`` at each call,
 so each module opens its own parameters right before it uses them; under
-``nn.scan`` over stacked layers that is one layer per iteration.
+``nn.scan`` over stacked layers that is one layer per iteration. ``scan``
+runs a stack of layers with ``zerojax.scan`` instead, each layer gathered one
+ahead of its compute.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
 
 from zerojax._src import collectives
+from zerojax._src import scan as scan_lib
 
 
 def gathered(target: Any) -> Any:
@@ -97,3 +101,71 @@ def remat_gathered(target: Any, **remat_kwargs: Any) -> Any:
     (3, 32, 32)
   """
   return nn.remat(gathered(target), policy=collectives.remat_policy, **remat_kwargs)
+
+
+def scan(target: type[nn.Module], *, length: int, prefetch: int = 1) -> type[nn.Module]:
+  """``nn.scan`` of a layer over stacked parameters, run by ``zerojax.scan``.
+
+  ``zerojax.flax.scan(Block, length=n)`` is a module class that ``init`` s
+  exactly as ``nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params":
+  True}, length=n)`` does (the same parameter tree, from the same random
+  numbers), and that ``apply`` runs with ``zerojax.scan``: under
+  ``zerojax.value_and_grad`` each layer's parameters arrive gathered, one
+  layer ahead of the compute with ``prefetch=1`` (see ``zerojax.scan``), so
+  ``Block`` needs no ``gathered`` wrapper and no ``nn.remat``. ``Block`` has
+  ``nn.scan``'s form ``(carry, x) -> (carry, y)``; construct the result with
+  ``Block``'s own fields.
+
+  Only parameters are scanned: a block with other collections (batch
+  statistics, or random numbers it draws with ``make_rng``) is refused at
+  ``apply``; pass random keys as part of ``x``.
+
+  Args:
+    target: the Linen module class of one layer.
+    length: the number of layers.
+    prefetch: as for ``zerojax.scan``.
+
+  Returns:
+    The module class.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax, zerojax.flax
+    >>> import flax.linen as nn
+    >>> class Block(nn.Module):
+    ...   width: int
+    ...   @nn.compact
+    ...   def __call__(self, h, _):
+    ...     return jnp.tanh(nn.Dense(self.width)(h)), None
+    >>> layers = zerojax.flax.scan(Block, length=3)(32)
+    >>> params = layers.init(jax.random.key(0), jnp.ones((8, 32)), None)["params"]
+    >>> params["Dense_0"]["kernel"].shape
+    (3, 32, 32)
+    >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> loss_fn = lambda params, x: jnp.mean(layers.apply({"params": params}, x, None)[0])
+    >>> loss, grads = zerojax.value_and_grad(loss_fn, tx)(tx.shard(params), jnp.ones((8, 32)))
+    >>> grads["Dense_0"]["kernel"].sharding.spec
+    P(None, 'data')
+  """
+  stacked = nn.scan(target, variable_axes={"params": 0}, split_rngs={"params": True}, length=length)
+  fields = [f.name for f in dataclasses.fields(target) if f.name not in ("parent", "name")]
+
+  class Scanned(stacked):
+    def __call__(self, carry: Any, xs: Any = None) -> tuple[Any, Any]:
+      if self.is_initializing():
+        return super().__call__(carry, xs)
+      others = sorted(set(self.variables) - {"params"})
+      if others:
+        raise ValueError(
+          f"zerojax.flax.scan scans parameters only, and {target.__name__} also has the "
+          f"collections {others}: use nn.scan for it, or keep that state out of the block."
+        )
+      block = target(**{name: getattr(self, name) for name in fields}, parent=None)
+
+      def layer(carry, inputs):
+        params, x = inputs
+        return block.apply({"params": params}, carry, x)
+
+      return scan_lib.scan(layer, carry, (self.variables["params"], xs), prefetch=prefetch)
+
+  Scanned.__name__ = Scanned.__qualname__ = f"Scan{target.__name__}"
+  return Scanned

@@ -4,7 +4,8 @@ An NNX model holds its parameters; ``zerojax.value_and_grad`` differentiates a
 function of a parameter pytree. ``nnx_value_and_grad`` bridges the two the way
 ``nnx.value_and_grad`` does: it splits the model into its ``nnx.Param`` state
 and the rest, and rebuilds the model inside the per-device loss.
-``nnx_gathered`` gathers one submodule's parameters where the model uses it.
+``nnx_gathered`` gathers one submodule's parameters where the model uses it,
+and ``nnx_scan`` runs a stack of layers with ``zerojax.scan``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flax import nnx
 
 from zerojax._src import collectives
 from zerojax._src import grad as grad_lib
+from zerojax._src import scan as scan_lib
 from zerojax._src.zero import ZeroTransformation
 
 
@@ -122,3 +124,47 @@ def nnx_value_and_grad(
     return grad_fn(params, *batch)
 
   return value_and_grad_fn
+
+
+def nnx_scan(
+  f: Callable[..., tuple[Any, Any]],
+  layers: nnx.Module,
+  carry: Any,
+  xs: Any = None,
+  *,
+  prefetch: int = 1,
+) -> tuple[Any, Any]:
+  """``zerojax.scan`` over a stack of NNX layers (one module with stacked state, from ``nnx.vmap``).
+
+  ``f(layer, carry, x) -> (carry, y)`` runs once per layer, on the layer
+  rebuilt from its slice of ``layers``' state. Under
+  ``nnx_value_and_grad(..., gather=False)`` each layer's parameters arrive
+  gathered, one layer ahead of the compute with ``prefetch=1`` (see
+  ``zerojax.scan``), so ``f`` needs no ``nnx_gathered`` and no ``nnx.remat``.
+  Layers are read, not written: what ``f`` changes in a layer's state is lost.
+
+  Args:
+    f: one layer's step, ``f(layer, carry, x) -> (carry, y)``.
+    layers: the stacked module (every variable with a leading layer axis).
+    carry: the initial carry.
+    xs: other per-layer inputs, each with a leading layer axis, or ``None``.
+    prefetch: as for ``zerojax.scan``.
+
+  Returns:
+    ``(carry, ys)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, zerojax.flax
+    >>> from flax import nnx
+    >>> layers = nnx.vmap(lambda rngs: nnx.Linear(16, 16, rngs=rngs))(nnx.Rngs(0).split(3))
+    >>> step = lambda layer, h, _: (jnp.tanh(layer(h)), None)
+    >>> zerojax.flax.nnx_scan(step, layers, jnp.ones((8, 16)))[0].shape
+    (8, 16)
+  """
+  graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
+
+  def layer(carry, inputs):
+    params, rest, x = inputs
+    return f(nnx.merge(graphdef, params, rest), carry, x)
+
+  return scan_lib.scan(layer, carry, (params, rest, xs), prefetch=prefetch)

@@ -20,7 +20,7 @@ _ARRAY = re.compile(r"\b(pred|[a-z]+(\d+)\w*)\[([<=\d,]*)\]")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
-_CALLEES = re.compile(
+CALLEES = re.compile(
   r"\b(calls|to_apply|body|true_computation|false_computation|branch_computations)="
   r"(\{[^}]*\}|%?[\w.\-]+)"
 )
@@ -214,7 +214,7 @@ def _tally(text: str, label: Callable[[_Instruction], Hashable]) -> dict[tuple, 
   The walk that both public counters share: see ``count_collectives`` for how
   loops, conditionals, asynchronous pairs and bytes count.
   """
-  computations, entry = _parse_module(text)
+  computations, entry = parse_module(text)
   shapes = {i.name: i.shape for body in computations.values() for i in body}
 
   @functools.cache
@@ -229,7 +229,7 @@ def _tally(text: str, label: Callable[[_Instruction], Hashable]) -> dict[tuple, 
         total.bytes += _moved_bytes(instruction, shapes)
       if instruction.opcode.endswith(("-done", "-update")):
         continue  # an async op's computation counts once, at its start
-      for role, callees in _CALLEES.findall(instruction.attributes):
+      for role, callees in CALLEES.findall(instruction.attributes):
         for callee in re.findall(r"[\w.\-]+", callees.replace("%", " ")):
           inner = per_execution(callee)
           if not any(c.count for c in inner.values()):
@@ -322,7 +322,7 @@ def _parse_instruction(line: str) -> _Instruction | None:
   )
 
 
-def _parse_module(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
+def parse_module(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
   """The module's computations (name to instructions) and the entry computation's name."""
   computations: dict[str, list[_Instruction]] = {}
   entry = current = None

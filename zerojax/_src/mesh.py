@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -45,11 +46,14 @@ def resolve_mesh(
     *((n, "replica_axis") for n in replica_axes),
   ]:
     if name not in mesh.axis_names:
-      raise ValueError(
-        f"mesh has no axis {name!r} (its axes are {mesh.axis_names}); pass "
-        f"{argument}=... naming axes of the mesh, or build the mesh with "
+      close = difflib.get_close_matches(name, mesh.axis_names, n=1)
+      fix = (
+        f"did you mean {argument}={close[0]!r}?"
+        if close
+        else f"pass {argument}=... naming one of them, or build the mesh with "
         f"jax.make_mesh((n,), ({name!r},))."
       )
+      raise ValueError(f"mesh has no axis {name!r} (its axes are {mesh.axis_names}); {fix}")
   shared = sorted(set(data_axes) & set(replica_axes))
   if shared or len(set(data_axes)) < len(data_axes):
     raise ValueError(

@@ -59,6 +59,14 @@ def links_needed(mesh: jax.sharding.Mesh) -> bool:
   return mesh.devices.flat[0].platform == "cpu"
 
 
+def ordered(mesh: jax.sharding.Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` as it must run on ``mesh``: ``link_loops(fn)`` on XLA:CPU, else ``fn`` itself.
+
+  The one seam where zerojax's programs meet XLA:CPU's ordering race.
+  """
+  return link_loops(fn) if links_needed(mesh) else fn
+
+
 def link_loops(fn: Callable[..., Any]) -> Callable[..., Any]:
   """``fn``, with every loop that communicates linked by data to every other collective.
 
@@ -66,8 +74,10 @@ def link_loops(fn: Callable[..., Any]) -> Callable[..., Any]:
   the loop reads one element of the output of every collective since the
   previous loop, so that no collective can run while a loop's collectives
   still do; collectives between two loops keep XLA's order, which is safe
-  because each completes before the next starts. Only the top level of
-  ``fn`` is linked: the order inside a loop's body is the compiler's.
+  because each completes before the next starts. The body of a scan that
+  holds such loops itself (the micro-batch loop around the layer loops) is
+  linked the same way; inside a loop with no loop in it, the order is the
+  compiler's.
   """
 
   @functools.wraps(fn)
@@ -107,7 +117,10 @@ def _evaluate(jaxpr: jex.Jaxpr, consts: list[Any], args: list[Any]) -> list[Any]
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     context = source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
     with context, eqn.ctx.manager:
-      outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+      if eqn.primitive.name == "scan" and _holds(eqn.params["jaxpr"].jaxpr, _loops):
+        outs = _linked_scan(eqn.params, values)
+      else:
+        outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
     outs = outs if eqn.primitive.multiple_results else [outs]
     env.update(zip(eqn.outvars, outs, strict=True))
     if communicates:
@@ -119,6 +132,27 @@ def _evaluate(jaxpr: jex.Jaxpr, consts: list[Any], args: list[Any]) -> list[Any]
         since.append(len(outputs) - 1)
     upstream.update((var, depends) for var in eqn.outvars)
   return [read(var) for var in jaxpr.outvars]
+
+
+def _linked_scan(params: dict[str, Any], values: list[Any]) -> list[Any]:
+  """A scan equation re-emitted with its body linked by ``_evaluate``."""
+  body, num_consts, num_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
+  consts, carry = values[:num_consts], values[num_consts : num_consts + num_carry]
+  xs = values[num_consts + num_carry :]
+
+  def step(carry, x):
+    outs = _evaluate(body.jaxpr, body.consts, [*consts, *carry, *x])
+    return outs[:num_carry], outs[num_carry:]
+
+  carry, ys = jax.lax.scan(
+    step,
+    carry,
+    xs,
+    length=params["length"],
+    reverse=params["reverse"],
+    unroll=params["unroll"],
+  )
+  return [*carry, *ys]
 
 
 def _communicates(eqn: jex.JaxprEqn) -> bool:

@@ -46,9 +46,9 @@ class Quantization(NamedTuple):
     >>> import jax, optax, zerojax
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh, quantized_weights="int8")
-    >>> tx.weight_quantization, tx.gradient_quantization
+    >>> tx.quantized_weights, tx.quantized_gradients
     (Quantization(bits=8, block_size=256), None)
-    >>> tx.weight_quantization.moved_bytes(1024)  # against 4096 bytes of float32
+    >>> tx.quantized_weights.moved_bytes(1024)  # against 4096 bytes of float32
     1040
   """
 

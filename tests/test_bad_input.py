@@ -1,0 +1,221 @@
+"""Misuses of the public API, as a new user makes them: each ends in an error that says the fix.
+
+The cases are keyed by the message fragments of docs/guide.md's errors table,
+so the table and the tests cannot drift apart.
+"""
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import AxisType
+
+import zerojax
+
+MESH_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+GUIDE = pathlib.Path(__file__).parent.parent / "docs" / "guide.md"
+
+
+def _mesh(types, n=8):
+  return jax.make_mesh((n,), ("data",), (types,), devices=jax.devices()[:n])
+
+
+def _loss(params, x, *_):
+  return jnp.mean(x @ zerojax.gather(params)["w"])
+
+
+def _step(tx, params, *batch, **options):
+  """``value_and_grad`` of ``_loss`` under ``jax.jit``, as a training step runs it."""
+  grad_fn = zerojax.value_and_grad(_loss, tx, **options)
+  return jax.jit(lambda params, *batch: grad_fn(params, *batch))(params, *batch)
+
+
+def _w(tx, **extra):
+  return tx.shard({"w": jnp.ones((4, 1024)), **extra})
+
+
+def axis_name_typo(types):
+  zerojax.zero2(optax.sgd(0.1), mesh=_mesh(types), axis_name="dta")
+
+
+def no_mesh(types):
+  zerojax.zero1(optax.sgd(0.1))
+
+
+def not_an_optimizer(types):
+  zerojax.zero2(lambda x: x, mesh=_mesh(types))
+
+
+def nested_transformations(types):
+  mesh = _mesh(types)
+  zerojax.zero3(zerojax.zero3(optax.adam(1e-3), mesh=mesh), mesh=mesh)
+
+
+def indivisible_batch(types):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
+  _step(tx, _w(tx), jnp.ones((10, 4)))
+
+
+def indivisible_micro_batches(types):
+  tx = zerojax.zero2(optax.sgd(0.1), mesh=_mesh(types))
+  _step(tx, _w(tx), jnp.ones((16, 4)), microbatches=4)
+
+
+def mismatched_batch(types):
+  tx = zerojax.zero2(optax.sgd(0.1), mesh=_mesh(types))
+  _step(tx, _w(tx), jnp.ones((16, 4)), {"y": jnp.ones((8, 1024))})
+
+
+def unplaced_padded_params(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types), min_shard_size=1)
+  zerojax.value_and_grad(lambda p, x: jnp.sum(x), tx)({"w": jnp.ones((7, 13))}, jnp.ones((8, 4)))
+
+
+def params_of_another_mesh_in_jit(types):
+  small = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types, 4))
+  _step(zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)), _w(small), jnp.ones((8, 4)))
+
+
+def state_of_another_mesh_in_jit(types):
+  small = zerojax.zero1(optax.adam(0.1), mesh=_mesh(types, 4))
+  tx = zerojax.zero1(optax.adam(0.1), mesh=_mesh(types))
+  params, state = _w(tx), small.init({"w": jnp.ones((4, 1024))})
+  jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+
+
+def integer_leaf(types):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
+  _step(tx, _w(tx, step=jnp.int32(0)), jnp.ones((8, 4)))
+
+
+def scalar_loss_with_aux(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  _step(tx, _w(tx), jnp.ones((8, 4)), has_aux=True)
+
+
+def chain_given_to_value_and_grad(types):
+  tx = optax.chain(optax.clip(1.0), zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types)))
+  zerojax.value_and_grad(_loss, tx)
+
+
+def non_array_leaf(types):
+  zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).shard({"w": jnp.ones(4), "name": "layer"})
+
+
+def state_of_another_model(types):
+  tx = zerojax.zero1(optax.adam(0.1), mesh=_mesh(types))
+  tx.update(_w(tx), tx.init({"w": jnp.ones((8, 256))}), _w(tx))
+
+
+def not_a_zero_state(types):
+  tx = zerojax.zero1(optax.adam(0.1), mesh=_mesh(types))
+  tx.update(_w(tx), optax.adam(0.1).init(_w(tx)), _w(tx))
+
+
+def init_after_shard_under_bf16(types):
+  tx = zerojax.zero2(optax.adam(0.1), mesh=_mesh(types), precision="bf16")
+  tx.init(_w(tx))
+
+
+def loss_scale_without_state(types):
+  tx = zerojax.zero2(optax.adam(0.1), mesh=_mesh(types), precision="fp16")
+  _step(tx, _w(tx), jnp.ones((8, 4)))
+
+
+def update_without_params_under_bf16(types):
+  tx = zerojax.zero1(optax.adam(0.1), mesh=_mesh(types), precision="bf16")
+  state = tx.init({"w": jnp.ones((4, 1024))})
+  tx.update(jax.tree.map(jnp.ones_like, _w(tx)), state)
+
+
+def state_of_another_policy(types):
+  tx = zerojax.zero1(optax.adam(0.1), mesh=_mesh(types), precision="bf16")
+  other = zerojax.zero1(optax.adam(0.1), mesh=_mesh(types))
+  tx.update(jax.tree.map(jnp.ones_like, _w(tx)), other.init(_w(other)), _w(tx))
+
+
+def replaced_init(types):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
+  _ = tx._replace(init=optax.sgd(0.1).init).stage
+
+
+# The first column of docs/guide.md's errors table, and the misuse that raises each.
+CASES = {
+  "mesh has no axis 'dta' (its axes are ('data',)); did you mean axis_name='data'?": axis_name_typo,
+  "no mesh: pass mesh=": no_mesh,
+  "zero2 wraps an optax.GradientTransformation": not_an_optimizer,
+  "zero3 was given a zerojax transformation (zero3) to wrap": nested_transformations,
+  "batch argument 0 has shape (10, 4): its leading dimension must divide by the 8 devices": (
+    indivisible_batch
+  ),
+  "... times 4 micro-batches": indivisible_micro_batches,
+  "batch argument 1['y'] has 8 rows but batch argument 0 has 16": mismatched_batch,
+  "params['w'] has shape (7, 13) but stage 3 stores it as (7, 16)": unplaced_padded_params,
+  "params['w'] lives on a mesh of {'data': 4}, not on this transformation's mesh": (
+    params_of_another_mesh_in_jit
+  ),
+  "params['step'] is int32, and a gradient is taken only of floating-point parameters": (
+    integer_leaf
+  ),
+  "value_and_grad(..., has_aux=True) expects loss_fn to return (loss, aux)": scalar_loss_with_aux,
+  "value_and_grad needs the zerojax transformation": chain_given_to_value_and_grad,
+  "leaf at ['name'] is str, not an array": non_array_leaf,
+  "optimizer state leaf ... expected": state_of_another_model,
+  "state is a tuple, not a ZeroState": not_a_zero_state,
+  "init makes the float32 master copy ... call tx.init(params) on the full-precision": (
+    init_after_shard_under_bf16
+  ),
+  "tx's precision policy scales the loss ... opt_state=opt_state": loss_scale_without_state,
+  "keeps master parameters apart from the (lower-precision) parameters": (
+    update_without_params_under_bf16
+  ),
+  "the optimizer state was made for another precision policy": state_of_another_policy,
+  "this ZeroTransformation's init is not zerojax's any more": replaced_init,
+}
+
+# Misuses the table covers with another row's message.
+MORE = {"opt_state... lives on a mesh of {'data': 4}": state_of_another_mesh_in_jit}
+
+
+def _pattern(fragment: str) -> str:
+  """The regular expression of a table fragment: literal text, ``...`` for anything."""
+  return ".*".join(re.escape(part.strip()) for part in fragment.split("..."))
+
+
+@pytest.mark.parametrize("types", MESH_TYPES.values(), ids=MESH_TYPES)
+@pytest.mark.parametrize("fragment", {**CASES, **MORE})
+def test_misuse_raises_a_value_error_that_says_what_to_do(fragment, types):
+  with pytest.raises(ValueError, match=_pattern(fragment)):
+    {**CASES, **MORE}[fragment](types)
+
+
+def test_the_guide_lists_exactly_the_tested_errors():
+  text = GUIDE.read_text()
+  table = text[text.index("## Errors you may meet") :].split("\n## ")[0]
+  rows = re.findall(r"^\| `(.+?)` \|", table, flags=re.MULTILINE)
+  assert rows == list(CASES)
+
+
+def test_a_shard_used_without_gather_raises_a_type_error():
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(AxisType.Explicit))
+  with pytest.raises(TypeError, match=r"call zerojax\.gather"):
+    zerojax.value_and_grad(lambda p, x: jnp.sum(x @ p["w"]), tx)(_w(tx), jnp.ones((8, 4)))
+
+
+def test_a_chain_runs_eagerly_under_set_mesh_and_in_jit():
+  # On explicit axes JAX computes eagerly on sharded arrays only inside
+  # jax.set_mesh (the chain's clipping runs before zerojax sees anything):
+  # the guide says so; under jit or set_mesh the chain works.
+  mesh = _mesh(AxisType.Explicit)
+  zero = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), zero)
+  params = zero.shard({"w": jnp.ones((8, 1024))})
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  with jax.set_mesh(mesh):
+    eager, _ = tx.update(grads, state, params)
+  jitted, _ = jax.jit(tx.update)(grads, state, params)
+  assert eager["w"].sharding.spec == jitted["w"].sharding.spec == jax.P(None, "data")

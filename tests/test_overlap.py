@@ -1,0 +1,246 @@
+"""``zerojax.scan``: gathers one layer ahead, reductions one layer behind, one collective each.
+
+Read from the optimized HLO (``zerojax.loop_collectives``), since on CPU the
+collectives are synchronous and overlap cannot be timed.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+
+import zerojax
+
+LAYERS, D, F = 5, 40, 56
+LEAVES_PER_LAYER = 6
+
+
+def make_params(seed=0):
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape, scale=1.0: jnp.asarray(
+    rng.normal(size=shape) * scale / np.sqrt(shape[-2] if len(shape) > 2 else 1), jnp.float32
+  )
+  return {
+    "embed": normal(12, D),
+    "layers": {
+      "w_in": normal(LAYERS, D, F),
+      "b_in": normal(LAYERS, F, scale=0.1),
+      "w_out": normal(LAYERS, F, D),
+      "b_out": normal(LAYERS, D, scale=0.1),
+      "scale": 1 + normal(LAYERS, D, scale=0.1),
+      "shift": normal(LAYERS, D, scale=0.1),
+    },
+    "head": normal(D, 13),
+  }
+
+
+def make_batch(seed=1):
+  rng = np.random.default_rng(seed)
+  return (
+    jnp.asarray(rng.normal(size=(32, 12)), jnp.float32),
+    jnp.asarray(rng.normal(size=(32, 13)), jnp.float32),
+  )
+
+
+def loss_fn(params, x, y, prefetch):
+  top = zerojax.gather({"embed": params["embed"], "head": params["head"]})
+
+  def layer(h, w):
+    normed = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+    normed = normed * w["scale"] + w["shift"]
+    return h + jnp.tanh(normed @ w["w_in"] + w["b_in"]) @ w["w_out"] + w["b_out"], jnp.mean(h)
+
+  h, means = zerojax.scan(layer, x @ top["embed"], params["layers"], prefetch=prefetch)
+  return jnp.mean((h @ top["head"] - y) ** 2) + 1e-3 * jnp.sum(means)
+
+
+def make_mesh(kind):
+  if kind == "hybrid":
+    return jax.make_mesh((2, 4), ("replica", "data"), (AxisType.Auto,) * 2)
+  if kind == "tensor":
+    return jax.make_mesh((4, 2), ("data", "model"), (AxisType.Auto,) * 2)
+  types = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[kind]
+  return jax.make_mesh((8,), ("data",), (types,))
+
+
+def transformation(stage, mesh_kind="explicit", **options):
+  options.setdefault("min_shard_size", 1)
+  if mesh_kind == "hybrid":
+    options["replica_axis"] = "replica"
+  return getattr(zerojax, f"zero{stage}")(optax.adam(1e-2), mesh=make_mesh(mesh_kind), **options)
+
+
+def step_fn(tx, prefetch, microbatches=1):
+  def step(params, state, x, y):
+    grad_fn = zerojax.value_and_grad(
+      functools.partial(loss_fn, prefetch=prefetch), tx, microbatches=microbatches
+    )
+    loss, grads = grad_fn(params, x, y, opt_state=state)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  return jax.jit(step)
+
+
+@functools.cache
+def compiled(stage, prefetch, microbatches=1, **options):
+  tx = transformation(stage, **options)
+  full = make_params()
+  state, params = tx.init(full), tx.shard(full)
+  return step_fn(tx, prefetch, microbatches).lower(params, state, *make_batch()).compile()
+
+
+def layer_loops(compiled_step):
+  """The loops that gather or reduce (the layer loops; micro-batch loops hold them)."""
+  return [loop for loop in zerojax.loop_collectives(compiled_step) if loop.gathers]
+
+
+@pytest.mark.parametrize(
+  "options",
+  [{}, {"precision": "bf16"}, {"quantized_weights": "int8", "quantized_gradients": "int8"}],
+  ids=["fp32", "bf16", "int8"],
+)
+def test_prefetched_loops_compute_only_what_the_previous_iteration_gathered(options):
+  loops = layer_loops(compiled(3, 1, **options))
+  assert len(loops) == 2  # forward and backward
+  for loop in loops:
+    assert loop.waiting_gathers == 0, loop  # test 1: weights reach the dots through the carry
+    assert loop.waiting_reductions == 0, loop  # test 2: the previous iteration's gradient
+
+
+@pytest.mark.parametrize("options", [{}, {"quantized_weights": "int8"}], ids=["fp32", "int8"])
+def test_the_check_fails_on_a_serialised_scan(options):
+  forward, backward = layer_loops(compiled(3, 0, **options))
+  assert forward.waiting_gathers == 1 and backward.waiting_gathers == 1
+  assert backward.waiting_reductions == 1
+
+
+@pytest.mark.parametrize(
+  "options",
+  [{}, {"precision": "bf16"}, {"quantized_weights": "int8", "quantized_gradients": "int8"}],
+  ids=["fp32", "bf16", "int8"],
+)
+def test_one_gather_and_one_reduction_per_layer_whatever_the_number_of_leaves(options):
+  forward, backward = layer_loops(compiled(3, 1, **options))
+  assert (forward.gathers, forward.reductions) == (1, 0)
+  assert (backward.gathers, backward.reductions) == (1, 1)
+
+
+def test_stage_2_defers_the_reduction_and_gathers_nothing():
+  loops = zerojax.loop_collectives(compiled(2, 1))
+  assert [(loop.gathers, loop.reductions, loop.waiting_reductions) for loop in loops] == [(0, 1, 0)]
+  serial = zerojax.loop_collectives(compiled(2, 0))
+  assert [(loop.reductions, loop.waiting_reductions) for loop in serial] == [(1, 1)]
+
+
+def test_micro_batches_prefetch_inside_each_micro_batch():
+  loops = layer_loops(compiled(3, 1, microbatches=2))
+  # The micro-batch loop holds the layer loops, the gather of the parameters
+  # outside the layers, and the reductions the layer loops leave to the end.
+  layers = [loop for loop in loops if (loop.gathers, loop.reductions) in {(1, 0), (1, 1)}]
+  assert len(layers) == 2 and len(loops) == 3
+  assert all(loop.waiting_gathers == loop.waiting_reductions == 0 for loop in layers)
+
+
+def test_the_forward_pass_hands_the_last_layer_to_the_backward_pass():
+  # prefetch=0 gathers each layer once per pass; prefetch=1 keeps the last one.
+  gathers = {p: zerojax.count_collectives(compiled(3, p))["all-gather"].count for p in (0, 1)}
+  assert gathers[0] - gathers[1] == 1
+
+
+def train(stage, prefetch, steps, mesh_kind="explicit", **options):
+  tx = transformation(stage, mesh_kind, **options)
+  full = make_params()
+  state, params = tx.init(full), tx.shard(full)
+  step, batch = step_fn(tx, prefetch), make_batch()
+  for _ in range(steps):
+    params, state, loss = step(params, state, *batch)
+  return tx.gather(tx.master_params(params, state)), float(loss)
+
+
+# Test 4: prefetching moves the same arithmetic into other loops, so XLA may
+# fuse (and round) a few operations differently: after 20 Adam steps the
+# parameters agree to a few float32 ulps of their size (bit for bit at stage 2
+# and under bf16, whose rounding hides the difference).
+QUANTIZED = {"quantized_weights": "int8", "quantized_gradients": "int8"}
+CONFIGS = [
+  (1, "explicit", {}),
+  (2, "explicit", {}),
+  (2, "explicit", {"precision": "bf16"}),
+  (3, "explicit", {}),
+  (3, "explicit", {"precision": "bf16"}),
+  (3, "explicit", {"precision": "fp16"}),
+  (3, "hybrid", {"precision": "bf16"}),
+  (3, "tensor", {}),
+  (2, "hybrid", {}),
+]
+
+
+@pytest.mark.parametrize(("stage", "mesh_kind", "options"), CONFIGS, ids=str)
+def test_prefetch_changes_no_number(stage, mesh_kind, options):
+  serial, serial_loss = train(stage, 0, 20, mesh_kind, **options)
+  prefetched, loss = train(stage, 1, 20, mesh_kind, **options)
+  assert loss == pytest.approx(serial_loss, rel=1e-5)
+  for a, b in zip(jax.tree.leaves(prefetched), jax.tree.leaves(serial), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_prefetch_changes_no_number_beyond_quantization():
+  # Quantized, a one-ulp difference in a gradient can move it across a
+  # rounding boundary of the int8 grid, and later steps carry that on: after
+  # one step the runs agree to float tolerance, and after 20 their difference
+  # is a small part of what quantization itself changes.
+  for steps, tolerance in ((1, 1e-6), (20, None)):
+    serial, _ = train(3, 0, steps, "auto", **QUANTIZED)
+    prefetched, _ = train(3, 1, steps, "auto", **QUANTIZED)
+    difference = max(np.max(np.abs(a - b)) for a, b in _pairs(prefetched, serial))
+    if tolerance is None:
+      unquantized, _ = train(3, 0, steps, "auto")
+      tolerance = 0.1 * max(np.max(np.abs(a - b)) for a, b in _pairs(unquantized, serial))
+    assert difference <= tolerance, (steps, difference, tolerance)
+
+
+def _pairs(one, other):
+  pairs = zip(jax.tree.leaves(one), jax.tree.leaves(other), strict=True)
+  return [(np.asarray(a), np.asarray(b)) for a, b in pairs]
+
+
+def test_prefetch_trains_like_plain_optax():
+  full, batch = make_params(), make_batch()
+  reference = optax.adam(1e-2)
+  state = reference.init(full)
+  grad = jax.jit(jax.grad(lambda p, x, y: loss_fn(p, x, y, 1)))
+  params = full
+  for _ in range(3):
+    updates, state = reference.update(grad(params, *batch), state, params)
+    params = optax.apply_updates(params, updates)
+  trained, _ = train(3, 1, 3)
+  for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(params), strict=True):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_temporaries_grow_by_at_most_two_layers():
+  # Test 5, on layers big enough to dominate the temporaries.
+  memory = {p: compiled(3, p).memory_analysis().temp_size_in_bytes for p in (0, 1)}
+  layer_bytes = 4 * (2 * D * F + F + 3 * D)
+  assert memory[1] <= memory[0] + 2 * layer_bytes, (memory, layer_bytes)
+
+
+def test_outside_value_and_grad_it_is_a_plain_scan():
+  params, (x, y) = make_params(), make_batch()
+  assert float(loss_fn(params, x, y, 1)) == float(loss_fn(params, x, y, 0))
+
+
+@pytest.mark.parametrize(
+  ("call", "message"),
+  [
+    (lambda: zerojax.scan(lambda c, x: (c, x), 0.0, jnp.ones(3), prefetch=2), "0 or 1"),
+  ],
+)
+def test_bad_arguments(call, message):
+  with pytest.raises(ValueError, match=message):
+    call()

@@ -1,0 +1,159 @@
+"""Whether a loop's collectives can overlap its compute, read from optimized HLO.
+
+Where an all-gather's result feeds a matmul of the same loop iteration, the
+matmul waits for the network whatever the scheduler does; where the gathered
+weights reach the compute only through the loop's carry (``zerojax.scan``
+with ``prefetch=1``), the next iteration's gather can run while this one
+computes. Likewise a reduce-scatter of a gradient the same iteration computed
+waits for that matmul, while one of the previous iteration's gradient need
+not. This is visible in the compiled program's text on any backend, CPU
+included, where collectives are synchronous and overlap cannot be timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+
+from zerojax._src import hlo as hlo_lib
+
+#: Opcodes that compute (rather than move or reshape data).
+_COMPUTE = frozenset({"dot", "convolution"})
+_GATHERS = frozenset({"all-gather", "all-gather-start"})
+_REDUCTIONS = frozenset({"reduce-scatter", "reduce-scatter-start", "all-to-all"})
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCollectives:
+  """The collectives of one while loop's body, and whether each waits on the same iteration.
+
+  Attributes:
+    body: the name of the body computation.
+    gathers: all-gathers per iteration.
+    reductions: reduce-scatters (and all-to-alls, the quantized kind) per iteration.
+    waiting_gathers: all-gathers whose result a matmul or convolution of the
+      same iteration consumes (directly, through fusions, or through a loop
+      nested in the body): that compute cannot start before the gather ends.
+    waiting_reductions: reductions whose operand a matmul or convolution of
+      the same iteration produced: they cannot start before it ends.
+
+  Example:
+    The layer loops of a stage-3 step, forward and backward, with and without prefetching:
+
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> params, x = tx.shard({"layers": jnp.full((4, 64, 64), 0.01)}), jnp.ones((8, 64))
+    >>> def compiled(prefetch):
+    ...   def loss_fn(params, x):
+    ...     layer = lambda h, w: (jnp.tanh(h @ w), None)
+    ...     return jnp.mean(zerojax.scan(layer, x, params["layers"], prefetch=prefetch)[0])
+    ...   return jax.jit(zerojax.value_and_grad(loss_fn, tx)).lower(params, x).compile()
+    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.loop_collectives(compiled(0))]
+    [(1, 1), (1, 1)]
+    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.loop_collectives(compiled(1))]
+    [(1, 0), (1, 0)]
+  """
+
+  body: str
+  gathers: int
+  reductions: int
+  waiting_gathers: int
+  waiting_reductions: int
+
+
+def loop_collectives(hlo: str | jax.stages.Compiled) -> list[LoopCollectives]:
+  """Every while loop of a compiled program that holds collectives, with what they wait on.
+
+  Read the optimized program (``compiled.as_text()``): it is what runs, after
+  XLA's own loop rewrites. A prefetching ``zerojax.scan`` shows
+  ``waiting_gathers == 0`` and ``waiting_reductions == 0`` in each of its
+  loops; a plain scan that gathers its layer shows one waiting gather per
+  loop.
+
+  Args:
+    hlo: an HLO module's text, or a ``jax.stages.Compiled``.
+
+  Returns:
+    A ``LoopCollectives`` per while loop (nested ones included) whose body
+    holds a collective, in the order the program defines them.
+
+  Example:
+    A loop that gathers and multiplies in the same iteration waits on its gather:
+
+    >>> import jax, jax.numpy as jnp, zerojax
+    >>> auto = (jax.sharding.AxisType.Auto,)
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
+    >>> def layers(w, h):
+    ...   step = lambda h, w: (h @ jax.lax.all_gather(w, "data", axis=1, tiled=True), None)
+    ...   return jax.lax.scan(step, h, w)[0]
+    >>> specs = dict(in_specs=(jax.P(None, None, "data"), jax.P()), out_specs=jax.P())
+    >>> f = jax.jit(jax.shard_map(layers, mesh=mesh, check_vma=False, **specs))
+    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.loop_collectives(
+    ...   f.lower(jnp.ones((3, 16, 16)), jnp.ones((4, 16))).compile())]
+    [(1, 1)]
+  """
+  text = hlo if isinstance(hlo, str) else hlo.as_text()
+  computations, _ = hlo_lib.parse_module(text)
+
+  @functools.cache
+  def computes(name: str) -> bool:
+    """Whether computation ``name`` (or one it calls) holds a matmul or convolution."""
+    return any(_computes(i, computes) for i in computations.get(name, ()))
+
+  loops = []
+  for instructions in computations.values():
+    for instruction in instructions:
+      if instruction.opcode != "while":
+        continue
+      body = re.search(r"body=%?([\w.\-]+)", instruction.attributes).group(1)
+      found = _analyse(body, computations[body], computes)
+      if found.gathers or found.reductions:
+        loops.append(found)
+  return loops
+
+
+def _computes(instruction, computes) -> bool:
+  return instruction.opcode in _COMPUTE or any(computes(c) for c in _callees(instruction))
+
+
+def _callees(instruction) -> list[str]:
+  names = []
+  for _, callees in hlo_lib.CALLEES.findall(instruction.attributes):
+    names += re.findall(r"[\w.\-]+", callees.replace("%", " "))
+  return names
+
+
+def _analyse(body: str, instructions, computes) -> LoopCollectives:
+  by_name = {i.name: i for i in instructions}
+  users: dict[str, list[str]] = {}
+  for i in instructions:
+    for operand in i.operands:
+      users.setdefault(operand, []).append(i.name)
+  operands = lambda name: by_name[name].operands
+  consumers = lambda name: users.get(name, ())
+
+  def any_computes(names, step) -> bool:
+    """Whether any of ``names``, or what ``step`` leads to from them, computes."""
+    seen, todo = set(), list(names)
+    while todo:
+      name = todo.pop()
+      if name in seen or name not in by_name:  # parameters of the body end the walk
+        continue
+      seen.add(name)
+      if _computes(by_name[name], computes):
+        return True
+      todo.extend(step(name))
+    return False
+
+  gathers = [i for i in instructions if i.opcode in _GATHERS]
+  reductions = [i for i in instructions if i.opcode in _REDUCTIONS]
+  return LoopCollectives(
+    body=body,
+    gathers=len(gathers),
+    reductions=len(reductions),
+    waiting_gathers=sum(any_computes(users.get(g.name, ()), consumers) for g in gathers),
+    waiting_reductions=sum(any_computes(r.operands, operands) for r in reductions),
+  )

@@ -1,0 +1,109 @@
+"""Every layout one parameter tree implies under a transformation's settings, planned once."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from zerojax._src import layout as layout_lib
+from zerojax._src import precision as precision_lib
+from zerojax._src.state import ZeroState
+
+if TYPE_CHECKING:
+  from zerojax._src.settings import Settings
+
+
+class Plans(NamedTuple):
+  """Every layout that one parameter tree implies.
+
+  Attributes:
+    sharded: gradients and master parameters, what the optimizer state mirrors.
+    params: the stored parameters: ``sharded`` in stage 3, else replicated.
+    state: the inner optimizer's state.
+    master: a separate master copy (stages 1-2 under a lower compute dtype), or ``None``.
+    loss_scaled: whether the precision policy scales the loss.
+  """
+
+  sharded: layout_lib.Layout
+  params: layout_lib.Layout
+  state: layout_lib.Layout
+  master: layout_lib.Layout | None
+  loss_scaled: bool
+
+  def to_logical(self, tree: Any) -> Any:
+    """Unpads leaves given in stored shape; leaves already in logical shape pass."""
+    return self.sharded.map(_to_logical, tree)
+
+  def to_master(self, tree: Any) -> Any:
+    """Logical shape, master dtype."""
+    return self.sharded.map(lambda leaf, x: _to_logical(leaf, x).astype(leaf.dtype), tree)
+
+  def state_specs(self) -> ZeroState:
+    """The ``PartitionSpec`` of every leaf of the ``ZeroState``."""
+    return ZeroState(
+      inner_state=self.state.specs(),
+      master=None if self.master is None else self.master.specs(),
+      loss_scale=precision_lib.LossScaleState(P(), P(), P()) if self.loss_scaled else None,
+      skipped_steps=P(),
+      pre_clip_grad_norm=P(),
+    )
+
+
+def _to_logical(leaf: layout_lib.LeafLayout, x: Any) -> Any:
+  shape = tuple(np.shape(x))
+  if shape == leaf.shape:
+    return x
+  if shape == leaf.stored_shape:
+    return leaf.unpad(x)
+  raise ValueError(
+    f"a leaf has shape {shape}, but this layout expects {leaf.shape} (or "
+    f"{leaf.stored_shape} padded): these arrays are from another model or layout."
+  )
+
+
+class Planner:
+  """Plans the trees a transformation sees, and remembers each plan.
+
+  Plans are keyed by the logical and the stored signature of each tree, so
+  that stored (padded) parameters find the plan made from their full shapes.
+  """
+
+  def __init__(self, settings: Settings):
+    self.settings = settings
+    self._known: dict[Any, Plans] = {}
+
+  def __call__(self, tree: Any) -> Plans:
+    key = layout_lib.signature(tree)
+    if key not in self._known:
+      plans = self.plan(tree)
+      for stored in (False, True):
+        self._known.setdefault(plans.sharded.key(stored), plans)
+        self._known.setdefault(plans.params.key(stored), plans)
+      self._known[key] = plans
+    return self._known[key]
+
+  def plan(self, params: Any) -> Plans:
+    """Plans every layout that the parameter tree ``params`` implies."""
+    settings = self.settings
+    precision = settings.precision
+    sharded = self.split(params, rule=settings.layout).with_dtypes(precision.master_dtype)
+    stored, master = settings.stage.stored(sharded, precision.compute_dtype, settings.data_axes)
+    logical = sharded.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    state = self.split(jax.eval_shape(settings.inner.init, logical), like=sharded)
+    return Plans(sharded, stored, state, master, precision.loss_scale is not None)
+
+  def split(self, tree: Any, **options: Any) -> layout_lib.Layout:
+    """``layout.plan`` of ``tree`` over the data axes of these settings."""
+    settings = self.settings
+    return layout_lib.plan(
+      tree,
+      axis_name=settings.data_axes,
+      num_shards=settings.num_shards,
+      min_shard_size=settings.min_shard_size,
+      axis_sizes=dict(settings.mesh.shape),
+      replica_axes=settings.replica_axes,
+      **options,
+    )
