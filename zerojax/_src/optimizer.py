@@ -72,6 +72,8 @@ class ShardedOptimizer:
 
   def _gather_impl(self, params, plans: Plans):
     specs = plans.params.map(lambda leaf: leaf.full_spec(self.settings.data_axes))
+    # An offloaded master copy (tx.master_params) is gathered from device memory.
+    params = jax.device_put(params, jax.memory.Space.Device)
     return mesh_lib.global_view(self.settings.mesh, plans.to_logical, specs)(params)
 
   def _init_impl(self, params, plans: Plans):
@@ -85,10 +87,14 @@ class ShardedOptimizer:
         **bookkeeping(settings.precision),
       )
 
-    return mesh_lib.global_view(settings.mesh, init, plans.state_specs())(params)
+    state = mesh_lib.global_view(settings.mesh, init, plans.state_specs())(params)
+    return settings.offload.store(state)
 
   def _update_impl(self, updates, state, params, extra_args, plans: Plans):
     settings = self.settings
+    # Offloaded state is brought to device memory once per step, here, and
+    # written back at the end: the inner optimizer never computes in host memory.
+    state = settings.offload.fetch(state)
 
     def update(grads, state, params):
       # Logical shapes sharded like the stored ones: unevenly where padded,
@@ -115,7 +121,10 @@ class ShardedOptimizer:
       return plans.params.pad(new_updates), new_state
 
     out_specs = (plans.params.specs(), plans.state_specs())
-    return mesh_lib.global_view(settings.mesh, update, out_specs)(updates, state, params)
+    new_updates, new_state = mesh_lib.global_view(settings.mesh, update, out_specs)(
+      updates, state, params
+    )
+    return new_updates, settings.offload.store(new_state)
 
 
 def _master(mesh: Mesh, plans: Plans, state: ZeroState, params: Any) -> Any:
@@ -158,6 +167,6 @@ def _difference(mesh: Mesh, plans: Plans, new_master: Any, params: Any) -> Any:
       collectives.from_bits(new, leaf.dtype).astype(wide.dtype) - old.astype(wide.dtype)
     ),
     bits,
-    params,
+    plans.to_logical(params),  # stage 3's stored shards are padded
     new_master,
   )
