@@ -106,11 +106,15 @@ class ShardedOptimizer:
       finite = precision_lib.all_finite(grads)
       keep = finite if settings.precision.skip_nonfinite else jnp.asarray(True)
       new_inner = precision_lib.select(keep, new_inner, inner_state)
+      new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
       new_master = None
       if plans.master is not None:
-        new_master = precision_lib.select(keep, optax.apply_updates(master, new_updates), master)
+        # The master copy takes the same sum that parameters which are the master
+        # copy take in optax.apply_updates, so that keeping it apart (stage 3
+        # under offload="optimizer+master") rounds nothing differently.
+        new_master = optax.apply_updates(master, new_updates)
         new_updates = _difference(settings.mesh, plans, new_master, params)
-      new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
+        new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
       new_state = ZeroState(
         inner_state=plans.state.pad(new_inner),
         master=None if new_master is None else plans.master.pad(new_master),
