@@ -7,6 +7,7 @@ Examples:
     python -m zerojax.estimate --params 1.3e9 --devices 8 --optimizer adafactor --dtype float32
     python -m zerojax.estimate --params 7.5e9 --devices 8 --replicas 4 --tensor-parallel 2
     python -m zerojax.estimate --params 7.5e9 --devices 64 --quantized-gradients int8
+    python -m zerojax.estimate --params 7e9 --devices 8 --offload optimizer
 """
 
 from __future__ import annotations
@@ -57,11 +58,14 @@ def table(
   state_bytes,
   replicas: int = 1,
   tensor_parallel: int = 1,
+  offload: str | None = None,
 ) -> str:
   """The table ``main`` prints: GB per device for each stage and data-axis size.
 
   With ``replicas`` or ``tensor_parallel`` above 1, each row also gives the
-  job's total device count (replicas x data x tensor parallel).
+  job's total device count (replicas x data x tensor parallel). With
+  ``offload``, the cells of zero1-3 read "device memory + host memory"
+  (plain DP is not offloaded).
 
   Example:
     The ZeRO paper's Table I, 7.5B parameters with mixed-precision Adam, on 64 devices:
@@ -71,6 +75,13 @@ def table(
      devices   plain DP      zero1      zero2      zero3
     ----------------------------------------------------
           64     120.00      31.41      16.64       1.88
+
+    With the optimizer state (not the fp32 master weights) in host memory:
+
+    >>> print(table(7.5e9, [64], 2, 2, 12, offload="optimizer"))
+     devices         plain DP            zero1            zero2            zero3
+    ----------------------------------------------------------------------------
+          64           120.00     30.47 + 0.94     15.70 + 0.94      0.94 + 0.94
   """
 
   def row(n):
@@ -84,10 +95,12 @@ def table(
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         state_bytes=state_bytes,
+        offload=offload if stage else None,
       )
-      yield f"{estimate.total / 1e9:.2f}"
+      host = f" + {estimate.host / 1e9:.2f}" if offload and stage else ""
+      yield f"{estimate.total / 1e9:.2f}{host}"
 
-  return _grid(devices, replicas, tensor_parallel, 10, row)
+  return _grid(devices, replicas, tensor_parallel, 16 if offload else 10, row)
 
 
 def communication_table(
@@ -249,6 +262,12 @@ def main(argv: list[str] | None = None) -> str | None:
     default=DEFAULT_BLOCK_SIZE,
     help=f"elements per quantization scale (default {DEFAULT_BLOCK_SIZE})",
   )
+  parser.add_argument(
+    "--offload",
+    choices=["optimizer", "optimizer+master"],
+    help="also give zero1-3 with the optimizer state (and the fp32 master weights) in host "
+    "memory: GB in device memory + GB in host memory, per device",
+  )
   args = parser.parse_args(argv)
   if args.optimizer and args.state_bytes is not None:
     parser.error("give --optimizer or --state-bytes, not both")
@@ -270,21 +289,29 @@ def main(argv: list[str] | None = None) -> str | None:
       f"{args.replicas} replica(s) x data x {args.tensor_parallel}-way tensor parallelism "
       "(every parameter counted as split over it).\n"
     )
+  memory = lambda offload: table(
+    args.params,
+    args.devices,
+    args.param_bytes,
+    args.grad_bytes,
+    state_bytes,
+    args.replicas,
+    args.tensor_parallel,
+    offload,
+  )
+  offloaded = ""
+  if args.offload:
+    try:
+      offloaded = (
+        f"\nWith offload={args.offload!r}, GB per device in device memory + in host memory "
+        f"(a host holds that for each of its devices):\n{memory(args.offload)}\n"
+      )
+    except ValueError as error:
+      parser.error(str(error))
   text = (
     f"Ψ = {args.params:.3g} parameters; {args.param_bytes:g} B/param, "
     f"{args.grad_bytes:g} B/grad, K = {state_bytes:.3g} B/param of optimizer state "
-    f"({source}).\n{mesh}GB per device:\n"
-    + table(
-      args.params,
-      args.devices,
-      args.param_bytes,
-      args.grad_bytes,
-      state_bytes,
-      args.replicas,
-      args.tensor_parallel,
-    )
-    + "\n\n"
-    + communication
+    f"({source}).\n{mesh}GB per device:\n" + memory(None) + "\n" + offloaded + "\n" + communication
   )
   print(text)
   return None if argv is None else text

@@ -156,7 +156,7 @@ def estimate_memory(
     >>> estimate = zerojax.estimate_memory(
     ...   7e9, num_devices=8, stage=2, param_bytes=4, grad_bytes=4, state_bytes=8,
     ...   offload="optimizer")
-    >>> round(estimate.params / 1e9, 2), round(estimate.optimizer_state / 1e9, 2), estimate.host / 1e9
+    >>> estimate.params / 1e9, estimate.optimizer_state / 1e9, estimate.host / 1e9
     (28.0, 0.0, 7.0)
   """
   stage_ = _check(num_devices, stage, replicas, tensor_parallel, offload)

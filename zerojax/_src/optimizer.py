@@ -109,15 +109,16 @@ class ShardedOptimizer:
       new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
       new_master = None
       if plans.master is not None:
-        # The master copy takes the same sum that parameters which are the master
-        # copy take in optax.apply_updates, so that keeping it apart (stage 3
-        # under offload="optimizer+master") rounds nothing differently.
-        new_master = optax.apply_updates(master, new_updates)
-        new_updates = _difference(settings.mesh, plans, new_master, params)
+        # The master copy takes the sum that stored parameters which are the
+        # master copy take in optax.apply_updates, padded shape included, so
+        # that keeping it apart (stage 3 under offload="optimizer+master")
+        # leaves XLA nothing to fuse, and round, differently.
+        new_master = optax.apply_updates(state.master, plans.master.pad(new_updates))
+        new_updates = _difference(settings.mesh, plans, plans.master.unpad(new_master), params)
         new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
       new_state = ZeroState(
         inner_state=plans.state.pad(new_inner),
-        master=None if new_master is None else plans.master.pad(new_master),
+        master=new_master,
         loss_scale=precision_lib.adjust_loss_scale(settings.precision, state.loss_scale, finite),
         skipped_steps=state.skipped_steps + (~keep).astype(jnp.int32),
         pre_clip_grad_norm=optax.tree.norm(grads).astype(jnp.float32),
