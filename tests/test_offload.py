@@ -519,3 +519,20 @@ def test_the_command_line_gives_device_and_host_memory(capsys):
   with pytest.raises(SystemExit):
     estimate_cli.main([*fp32, "--offload", "optimizer+master"])
   assert "nothing is apart" in capsys.readouterr().err
+
+
+def test_the_fit_table_is_the_estimators():
+  # docs/offload.md, "What fits on one 80 GB GPU": bytes per parameter on one device,
+  # and the largest model whose model states fit in 80 GB.
+  expected = {
+    2: {None: (16, 5.0), "optimizer": (8, 10.0), "optimizer+master": (4, 20.0)},
+    4: {None: (18, 4.4), "optimizer": (10, 8.0), "optimizer+master": (6, 13.3)},
+  }
+  for grad_bytes, rows in expected.items():
+    for offload, (per_parameter, billions) in rows.items():
+      estimate = zerojax.estimate_memory(
+        1.0, num_devices=1, stage=3, grad_bytes=grad_bytes, offload=offload
+      )
+      assert estimate.total == per_parameter
+      assert round(80e9 / estimate.total / 1e9, 1) == billions
+      assert estimate.host == {None: 0, "optimizer": 8, "optimizer+master": 12}[offload]

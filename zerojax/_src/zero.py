@@ -395,6 +395,12 @@ zero2 = _stage(
     >>> params = tx.shard({"w": jnp.ones((64, 64))})
     >>> params["w"].sharding.spec
     P()
+
+  With the optimizer state in host memory between steps:
+
+    >>> tx = zerojax.zero2(optax.adam(1e-3), mesh=mesh, offload="optimizer")
+    >>> tx.init(params).inner_state[0].mu["w"].sharding.memory_kind
+    'pinned_host'
 """,
 )
 zero3 = _stage(
