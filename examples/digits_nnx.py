@@ -7,23 +7,14 @@ transformation, and the gradients come from ``zerojax.flax.nnx_value_and_grad``,
 which runs the loss once per device on its slice of each batch. In stage 3 the
 model holds 1/N of each parameter and gathers the whole model inside the loss.
 
-On CPU the script asks XLA for 8 host devices (unless ``XLA_FLAGS`` already
-sets a number), so the sharding is real. Usage::
+On CPU the script asks JAX for 8 devices (``zerojax.use_cpu_devices``), so the
+sharding is real. Usage::
 
   python examples/digits_nnx.py              # ZeRO-3
   python examples/digits_nnx.py --stage 2
 
 From Python, ``main(["--steps", "100"])`` returns the metrics.
 """
-
-import os
-
-# XLA reads this flag when JAX starts its backends, so it is set before jax is imported.
-# It only concerns the CPU platform.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
 
 import argparse
 import time
@@ -94,6 +85,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the script with the flags in ``argv`` (default: the command line); returns the metrics."""
   args = parse_args(argv)
+  zerojax.use_cpu_devices(8)  # first, before anything touches a device
   images, labels = load_digits(return_X_y=True)
   x_train, x_test, y_train, y_test = train_test_split(
     (images / 16.0).astype(np.float32), labels, test_size=0.2, random_state=0, stratify=labels

@@ -3,16 +3,13 @@
 Run: python examples/profile_quickstart.py
 """
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
 import jax
 import jax.numpy as jnp
 import optax
 
 import zerojax
 
+zerojax.use_cpu_devices(8)
 mesh = jax.make_mesh((8,), ("data",))
 tx = zerojax.zero3(optax.adamw(3e-4), mesh=mesh)
 params = tx.shard({"w": jnp.zeros((512, 512)), "layers": jnp.zeros((4, 512, 512))})

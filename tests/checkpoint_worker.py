@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax
@@ -34,6 +33,8 @@ import optax
 
 import zerojax
 from zerojax import CheckpointManager, train_state_spec
+
+zerojax.use_cpu_devices(8)
 
 # About 6 MiB of state with Adam, so that a save takes long enough to be caught.
 MODEL = {

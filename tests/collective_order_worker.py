@@ -17,9 +17,6 @@ import argparse
 import functools
 import os
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
@@ -31,6 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax._src import ordering
+
+zerojax.use_cpu_devices(8)
 
 
 def make_params() -> dict:

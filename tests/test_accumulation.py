@@ -53,6 +53,15 @@ def test_multi_steps_accumulator_is_sharded(stage, mesh):
   assert leaf.addressable_shards[0].data.size * N == leaf.size
 
 
+def test_multi_steps_outside_keeps_a_full_accumulator_on_every_device(mesh):
+  # What docs/precision.md warns of: wrapped the other way round, MultiSteps'
+  # accumulator is a full-size gradient on every device, which zerojax cannot see.
+  tx = optax.MultiSteps(zerojax.zero2(optax.adam(1e-2), mesh=mesh), every_k_schedule=4)
+  params = zerojax.zero2(optax.adam(1e-2), mesh=mesh).shard(models.make_params())
+  leaf = tx.init(params).acc_grads["layers"]["w"]
+  assert leaf.addressable_shards[0].data.size == leaf.size
+
+
 @pytest.mark.parametrize(
   "batch_rows, microbatches, match",
   [

@@ -1,10 +1,12 @@
-"""The documentation site's checks: a build with a gap in the API reference or a broken link fails.
+"""The documentation: README's Quickstart runs as pasted, and the site's checks catch mistakes.
 
 CI builds the real site with ``python -m sphinx -W --keep-going -b html docs docs/_build``
 (.ci/run) and so shows that the site as it is passes; these tests break a copy of it on
 purpose and show that the same command fails, naming what is wrong.
 """
 
+import itertools
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,24 @@ sys.path.insert(0, str(DOCS / "ext"))
 
 import coverage_check  # noqa: E402
 import internal_links  # noqa: E402
+
+
+def test_readme_quickstart_runs_as_pasted_and_the_loss_falls(tmp_path):
+  readme = (ROOT / "README.md").read_text()
+  quickstart = re.search(r"\n## Quickstart\n.*?\n```python\n(.*?)\n```\n", readme, re.DOTALL)
+  script = tmp_path / "quickstart.py"
+  # Run as pasted, in a fresh process; then say how many devices the mesh had.
+  script.write_text(quickstart.group(1) + "\nprint('devices', mesh.size)\n")
+  done = subprocess.run(
+    [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+  )
+  assert done.returncode == 0, done.stderr
+  *lines, devices = done.stdout.splitlines()
+  assert devices == "devices 8"
+  losses = [float(re.fullmatch(r"step \d+: loss (\S+)", line).group(1)) for line in lines]
+  assert len(losses) == 5
+  assert all(later < earlier for earlier, later in itertools.pairwise(losses))
+  assert losses[-1] < losses[0] / 10
 
 
 def test_public_names_cover_the_package_and_its_public_modules():

@@ -62,9 +62,24 @@ def test_bad_arguments_raise():
     zerojax.estimate_memory(1e9, num_devices=0, stage=1)
 
 
+def gigabytes(*cells: float) -> str:
+  """The cells of a row of the command line's tables, in GB, as ``main`` lays them out."""
+  return " ".join(f"{cell / 1e9:>10.2f}" for cell in cells)
+
+
+PSI = 7.5e9  # the parameters of the ZeRO paper's Table I
+
+
 def test_command_line(capsys, monkeypatch):
   text = estimate_cli.main(["--params", "7.5e9", "--devices", "64"])
-  assert "31.41" in text and "16.64" in text and "1.88" in text and "120.00" in text
+  # Table I's mixed-precision Adam: 2-byte parameters and gradients, K = 12.
+  dp, zero1, zero2, zero3 = (
+    16 * PSI,
+    4 * PSI + 12 * PSI / 64,
+    2 * PSI + 14 * PSI / 64,
+    16 * PSI / 64,
+  )
+  assert f"      64 {gigabytes(dp, zero1, zero2, zero3)}\n" in text  # 120.00 31.41 16.64 1.88
   assert text in capsys.readouterr().out
   assert "optax.lion" in estimate_cli.main(["--params", "1e9", "--optimizer", "lion"])
   # The zerojax-estimate script exits with main()'s return value: None is 0.
@@ -72,19 +87,46 @@ def test_command_line(capsys, monkeypatch):
   assert estimate_cli.main() is None
 
 
+def test_command_line_says_what_optimizer_state_it_assumed():
+  # Mixed precision, as in the paper: optax's two fp32 moments and the fp32 master copy of the
+  # bf16 parameters, K = 8 + 4, the same table as the default's.
+  adamw = estimate_cli.main(["--params", "7.5e9", "--devices", "64", "--optimizer", "adamw"])
+  assert (
+    "K = 12 B/param of optimizer state (optax.adamw on float32: 8, + 4 for the float32 " in adamw
+  )
+  default = estimate_cli.main(["--params", "7.5e9", "--devices", "64"])
+  assert adamw.split("GB per device:")[1] == default.split("GB per device:")[1]
+  # fp32 parameters need no master copy.
+  fp32 = ["--param-bytes", "4", "--grad-bytes", "4"]
+  text = estimate_cli.main(["--params", "7.5e9", "--devices", "64", "--optimizer", "adamw", *fp32])
+  assert "K = 8 B/param of optimizer state (optax.adamw on float32: 8)." in text
+
+
 def test_command_line_reports_communication_with_and_without_quantization():
   args = ["--params", "7.5e9", "--devices", "8", "64", "--quantized-gradients", "int4"]
   text = estimate_cli.main(args)
   unquantized, quantized = text.split("Communication")[1].split("Quantized")
-  assert unquantized.count("15.00      30.00      30.00      45.00") == 2
-  # int4 gradients: Ψ/2 + Ψ/64 bytes instead of 2Ψ, so zero1 moves 15 + 3.87 GB.
-  assert quantized.count("15.00 (1.00)   18.87 (0.63)   18.87 (0.63)   33.87 (0.75)") == 2
+  assert "an all-reduce twice" in unquantized
+  # bf16 (2 bytes): plain DP's all-reduce of the gradients counts twice, as a reduce-scatter and
+  # an all-gather, which is what zero1 and zero2 do; zero3 gathers the weights twice.
+  dp = zero1 = 2 * 2 * PSI
+  zero3 = 3 * 2 * PSI
+  for n in (8, 64):
+    assert f"{n:>8} {gigabytes(dp, zero1, zero1, zero3)}\n" in unquantized  # 30 30 30 45
+  # int4 gradients: half a byte per element and a 4-byte scale per block of 256 elements, instead
+  # of 2 bytes, for the reduction; plain DP and the weight gathers stay as they are.
+  int4 = PSI / 2 + 4 * PSI / 256
+  cells = [(dp, dp), (2 * PSI + int4, zero1), (2 * PSI + int4, zero1), (4 * PSI + int4, zero3)]
+  row = " ".join(f"{moved / 1e9:.2f} ({moved / plain:.2f})".rjust(14) for moved, plain in cells)
+  assert quantized.count(row) == 2  # 30.00 (1.00) 18.87 (0.63) 18.87 (0.63) 33.87 (0.75)
+  # Hybrid sharding: each device also all-reduces its 1/8 of the gradients across the replicas.
   hybrid = estimate_cli.main(["--params", "7.5e9", "--devices", "8", "--replicas", "2"])
-  assert "       8       16      15.00      31.88      31.88      46.88" in hybrid
+  across = 2 * 2 * PSI / 8
+  assert (
+    f"       8       16 {gigabytes(dp, zero1 + across, zero1 + across, zero3 + across)}" in hybrid
+  )
   tensor = estimate_cli.main(["--params", "7.5e9", "--tensor-parallel", "2"])
   assert "not estimated with tensor parallelism" in tensor
-  with pytest.raises(SystemExit):
-    estimate_cli.main([*args, "--block-size", "3"])
 
 
 def test_communication_estimate_arguments_are_checked():

@@ -1,6 +1,7 @@
 """The transformation is a value: copies, tree maps and ``_replace`` behave as optax's do."""
 
 import copy
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +98,15 @@ def test_a_copy_trains_like_the_original(original, how):
   actual = _train_one_step(COPIES[how](tx))
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
     np.testing.assert_array_equal(a, e)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_every_keyword_of_a_factory_reaches_the_settings(stage):
+  factory = getattr(zerojax, f"zero{stage}")
+  keywords = set(inspect.signature(factory).parameters) - {"inner"}
+  assert keywords == zerojax._src.zero._OPTIONS
+  tx = factory(optax.sgd(0.1), mesh=jax.make_mesh((8,), ("data",)), min_shard_size=7)
+  assert zerojax._src.zero.unwrap(tx).settings.min_shard_size == 7
 
 
 def test_transformations_from_two_calls_differ_and_settings_are_immutable():

@@ -2,6 +2,7 @@
 
 from zerojax._src.checkpoint import CheckpointManager, StateSpec, train_state_spec
 from zerojax._src.collectives import Shard, gather, remat_policy
+from zerojax._src.devices import use_cpu_devices
 from zerojax._src.distributed import gather_to_host, global_batch, initialize
 from zerojax._src.estimate import (
   CommunicationEstimate,
@@ -62,6 +63,7 @@ __all__ = (
   "remat_policy",
   "scan",
   "train_state_spec",
+  "use_cpu_devices",
   "value_and_grad",
   "zero1",
   "zero2",

@@ -163,10 +163,15 @@ def reduce_scatter(bucket: Bucket, cotangents: Sequence[jax.Array]) -> list[jax.
     _split(_pad(piece, c.astype(piece.reduce), count), piece.axis, count)
     for piece, c in zip(bucket.pieces, cotangents, strict=True)
   ]
-  if bucket.gradients is None:
-    shards = _sum_scattered(bucket, chunks)
-  else:
-    shards = _sum_quantized(bucket, chunks)
+  quantized = [
+    bucket.gradients is not None and piece.quantized for piece in bucket.pieces
+  ]  # complex leaves move as they are
+  shards: list[Any] = [None] * len(chunks)
+  for flag, summed in ((False, _sum_scattered), (True, _sum_quantized)):
+    indices = [i for i, q in enumerate(quantized) if q == flag]
+    if indices:
+      for i, shard in zip(indices, summed(bucket, [chunks[i] for i in indices]), strict=True):
+        shards[i] = shard
   return [
     s.reshape(piece.shard_shape).astype(piece.grad)
     for piece, s in zip(bucket.pieces, shards, strict=True)
@@ -244,13 +249,21 @@ def _dequantized_rows(rows: jax.Array, spec: quantize.Quantization, n: int) -> j
 
 
 def _bytes(x: jax.Array) -> jax.Array:
-  """``x``'s bytes, flat (``uint8``): a collective on them moves exactly ``x``'s bytes."""
+  """``x``'s bytes, flat (``uint8``): a collective on them moves exactly ``x``'s bytes.
+
+  A complex number is its real part's bytes, then its imaginary part's.
+  """
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    x = jnp.stack([x.real, x.imag], axis=-1)
   return jax.lax.bitcast_convert_type(x, _BYTE).reshape(-1)
 
 
 def _from_bytes(rows: jax.Array, dtype: Any) -> jax.Array:
   """The inverse of ``_bytes`` for each row of ``(devices, k)`` bytes."""
   dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    parts = _from_bytes(rows, np.finfo(dtype).dtype).reshape(*rows.shape[:-1], -1, 2)
+    return jax.lax.complex(parts[..., 0], parts[..., 1])
   if dtype.itemsize == 1:
     return jax.lax.bitcast_convert_type(rows, dtype)
   return jax.lax.bitcast_convert_type(rows.reshape(*rows.shape[:-1], -1, dtype.itemsize), dtype)

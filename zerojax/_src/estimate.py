@@ -311,12 +311,12 @@ def estimate_communication(
   *,
   num_devices: int,
   stage: int,
-  replicas: int = 1,
-  param_bytes: float = 2,
-  grad_bytes: float = 2,
   quantized_weights: str | None = None,
   quantized_gradients: str | None = None,
   quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
+  replicas: int = 1,
+  param_bytes: float = 2,
+  grad_bytes: float = 2,
   regather: bool = True,
 ) -> CommunicationEstimate:
   """Bytes per device per step that ``zerojax.value_and_grad`` and ``tx.update`` move.
@@ -345,13 +345,13 @@ def estimate_communication(
     num_params: Ψ, the number of parameters.
     num_devices: N, the size of the data-parallel axes.
     stage: 0, 1, 2 or 3.
-    replicas: the size of the replica axes (hybrid sharding).
-    param_bytes: bytes per parameter as gathered (the compute dtype's).
-    grad_bytes: bytes per gradient element as reduced (the reduce dtype's).
     quantized_weights: stage 3 only: ``"int8"``, ``"int4"`` or ``None``, as
       for ``zerojax.zero3``.
     quantized_gradients: stages 1 to 3: ``"int8"``, ``"int4"`` or ``None``.
     quantization_block_size: elements per scale.
+    replicas: the size of the replica axes (hybrid sharding).
+    param_bytes: bytes per parameter as gathered (the compute dtype's).
+    grad_bytes: bytes per gradient element as reduced (the reduce dtype's).
     regather: stage 3: whether the backward pass gathers the weights again
       (remat with ``zerojax.remat_policy``).
 

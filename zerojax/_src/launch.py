@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,8 @@ ATTEMPT = "ZEROJAX_ATTEMPT"
 DEFAULT_GRACE_PERIOD = 5.0
 _POLL_SECONDS = 0.05
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+#: What gloo prints on stdout for every group of processes it connects: noise, unless asked for.
+_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
 def free_port() -> int:
@@ -113,6 +116,7 @@ def launch(
   grace_period: float = DEFAULT_GRACE_PERIOD,
   stdout: TextIO | None = None,
   stderr: TextIO | None = None,
+  verbose: bool = False,
 ) -> int:
   """Runs ``num_processes`` copies of ``command`` as one multi-process JAX job on loopback.
 
@@ -121,9 +125,11 @@ def launch(
   ``initialize`` reads, ``ZEROJAX_ATTEMPT`` (1, then 2 after the first
   restart, ...), and ``JAX_PLATFORMS=cpu`` with ``devices_per_process`` CPU
   devices. Their output is streamed line by line, each line prefixed with
-  ``[p<id>] ``. As soon as one process fails (non-zero exit or a signal), or
-  ``timeout`` passes, or the launcher is interrupted, the others get SIGTERM
-  (and SIGCONT, in case they are stopped) and, ``grace_period`` seconds later,
+  ``[p<id>] ``, but for gloo's ``[Gloo] Rank N is connected to ...`` lines
+  (each process prints them as it connects to the others) unless ``verbose``.
+  As soon as one process fails (non-zero exit or a signal), or ``timeout``
+  passes, or the launcher is interrupted, the others get SIGTERM (and
+  SIGCONT, in case they are stopped) and, ``grace_period`` seconds later,
   SIGKILL. Each process runs in its own session, and what it started (a data
   loader, an uploader) is stopped with it when its attempt ends, even if the
   process itself has exited.
@@ -157,6 +163,7 @@ def launch(
     stdout: where the processes' prefixed stdout goes (``sys.stdout``).
     stderr: where their prefixed stderr and the launcher's messages go
       (``sys.stderr``).
+    verbose: also relay gloo's connection lines.
 
   Returns:
     The last attempt's status: 0 if every process exited with 0; otherwise
@@ -165,8 +172,8 @@ def launch(
     SIGTERM.
 
   Raises:
-    ValueError: if ``num_processes`` or ``heartbeat_timeout`` is below 1, or
-      ``max_restarts`` below 0.
+    ValueError: if ``num_processes``, ``devices_per_process`` or
+      ``heartbeat_timeout`` is below 1, or ``max_restarts`` below 0.
 
   Example:
     >>> import io, sys
@@ -187,6 +194,8 @@ def launch(
   """
   if num_processes < 1:
     raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
+  if devices_per_process is not None and devices_per_process < 1:
+    raise ValueError(f"devices_per_process must be at least 1, got {devices_per_process}.")
   if max_restarts < 0:
     raise ValueError(f"max_restarts must be 0 or more, got {max_restarts}.")
   if heartbeat_timeout is not None and heartbeat_timeout < 1:
@@ -207,7 +216,8 @@ def launch(
   with _signals_raise():
     while True:
       attempt += 1
-      group = _Group(command, {**base_env, ATTEMPT: str(attempt)}, stdout, stderr, lock)
+      env = {**base_env, ATTEMPT: str(attempt)}
+      group = _Group(command, env, stdout, stderr, lock, hide=None if verbose else _GLOO_CONNECTED)
       try:
         group.start(num_processes, devices_per_process)
         left = max_restarts - restarts
@@ -246,10 +256,14 @@ def launch(
 
 
 class _Group:
-  """One attempt's processes, and the threads that stream their prefixed output."""
+  """One attempt's processes, and the threads that stream their prefixed output.
 
-  def __init__(self, command, env, stdout, stderr, lock):
+  Output lines that ``hide`` matches (if given) are dropped.
+  """
+
+  def __init__(self, command, env, stdout, stderr, lock, hide: re.Pattern | None):
     self.command, self.env, self.sinks, self.lock = command, env, (stdout, stderr), lock
+    self.hide = hide
     self.processes: list[subprocess.Popen] = []
     self._readers: list[threading.Thread] = []
 
@@ -279,7 +293,9 @@ class _Group:
         prefix = f"[p{process_id}] "
         # Daemon threads: a pipe held open by something the process left behind
         # must not keep the launcher from exiting.
-        reader = threading.Thread(target=_stream, args=(pipe, sink, prefix, self.lock), daemon=True)
+        reader = threading.Thread(
+          target=_stream, args=(pipe, sink, prefix, self.lock, self.hide), daemon=True
+        )
         reader.start()
         self._readers.append(reader)
 
@@ -415,8 +431,12 @@ def _signal_session(process: subprocess.Popen, signum: int) -> bool:
   return True
 
 
-def _stream(pipe: TextIO, sink: TextIO, prefix: str, lock: threading.Lock) -> None:
+def _stream(
+  pipe: TextIO, sink: TextIO, prefix: str, lock: threading.Lock, hide: re.Pattern | None
+) -> None:
   for line in pipe:
+    if hide is not None and hide.match(line):
+      continue
     with lock:
       sink.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
       sink.flush()
@@ -499,12 +519,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     default=DEFAULT_GRACE_PERIOD,
     help="seconds between SIGTERM and SIGKILL when stopping processes (default %(default)s)",
   )
+  parser.add_argument(
+    "--verbose",
+    action="store_true",
+    help="also show gloo's '[Gloo] Rank N is connected to ...' lines, which every process "
+    "prints when it connects to the others",
+  )
   parser.add_argument("script", help="the Python script every process runs")
   parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
   args = parser.parse_args(argv)
   for flag, value, least in [
     ("--num-processes", args.num_processes, 1),
     ("--max-restarts", args.max_restarts, 0),
+    ("--devices-per-process", args.devices_per_process, 1),
     ("--heartbeat-timeout", args.heartbeat_timeout, 1),
   ]:
     if value is not None and value < least:
@@ -517,4 +544,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     heartbeat_timeout=args.heartbeat_timeout,
     timeout=args.timeout,
     grace_period=args.grace_period,
+    verbose=args.verbose,
   )

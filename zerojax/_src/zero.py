@@ -12,6 +12,7 @@ docs/design.md).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -318,6 +319,10 @@ _ARGS_DOC = """
 """
 
 
+#: The keyword arguments of ``zero1/2/3``, which they pass on to ``settings.resolve`` as given.
+_OPTIONS = frozenset(inspect.signature(settings_lib.resolve).parameters) - {"stage", "inner"}
+
+
 def _stage(stage: int, summary: str):
   """The public factory ``zero{stage}``, with ``summary`` and the shared argument docs."""
 
@@ -340,21 +345,8 @@ def _stage(stage: int, summary: str):
         f"zero{stage} was given a zerojax transformation (zero{inner.stage}) to wrap: wrap "
         f"the optax optimizer once, e.g. zerojax.zero{stage}(optax.adamw(1e-3), mesh=mesh)."
       )
-    settings = settings_lib.resolve(
-      stage,
-      inner,
-      mesh=mesh,
-      axis_name=axis_name,
-      replica_axis=replica_axis,
-      layout=layout,
-      min_shard_size=min_shard_size,
-      precision=precision,
-      quantized_weights=quantized_weights,
-      quantized_gradients=quantized_gradients,
-      quantization_block_size=quantization_block_size,
-      offload=offload,
-    )
-    return ZeroTransformation.of(ShardedOptimizer(settings))
+    options = {name: value for name, value in locals().items() if name in _OPTIONS}
+    return ZeroTransformation.of(ShardedOptimizer(settings_lib.resolve(stage, inner, **options)))
 
   factory.__name__ = factory.__qualname__ = f"zero{stage}"
   factory.__doc__ = summary + _ARGS_DOC
@@ -389,17 +381,20 @@ zero2 = _stage(
   full-size gradient ever exists. Per device: Ψ params + Ψ/N grads + KΨ/N state.
 
   Example:
+    The parameters stay whole; the gradients come back split:
+
     >>> import jax, jax.numpy as jnp, optax, zerojax
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    >>> tx = zerojax.zero2(optax.adam(1e-3), mesh=mesh)
+    >>> tx = zerojax.zero2(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
     >>> params = tx.shard({"w": jnp.ones((64, 64))})
-    >>> params["w"].sharding.spec
-    P()
+    >>> loss_fn = lambda params, x: jnp.mean(x @ zerojax.gather(params)["w"])
+    >>> _, grads = zerojax.value_and_grad(loss_fn, tx)(params, jnp.ones((8, 64)))
+    >>> params["w"].sharding.spec, grads["w"].sharding.spec
+    (P(), P(None, 'data'))
 
   With the optimizer state in host memory between steps:
 
-    >>> tx = zerojax.zero2(optax.adam(1e-3), mesh=mesh, offload="optimizer")
-    >>> tx.init(params).inner_state[0].mu["w"].sharding.memory_kind
+    >>> offloaded = zerojax.zero2(optax.adam(1e-3), mesh=tx.mesh, offload="optimizer")
+    >>> offloaded.init(params).inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'
 """,
 )

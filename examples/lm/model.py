@@ -1,18 +1,16 @@
-"""The character-level GPT that examples/train_lm.py trains: its sizes, modules and sampler.
+"""The character-level GPT that examples/train_lm.py trains: its modules and sampler.
 
 A decoder-only transformer over bytes (pre-norm RMSNorm, causal multi-head
 attention, ReLU MLP, learned positions, tied embeddings) written as Flax Linen
-modules. Its layers run under ``nn.scan``, so their parameters are stacked
-along a leading layer dimension; the scanned block is wrapped with
-``zerojax.flax.remat_gathered``, which gathers one layer's weights when the
-block is called and re-gathers them in the backward pass, so under ZeRO-3 only
-one layer is ever whole. ``tensor_parallel_specs`` says how Megatron-style
-tensor parallelism places the layers' weights.
+modules. Its layers run under ``zerojax.flax.scan``, so their parameters are
+stacked along a leading layer dimension (as ``nn.scan`` stacks them) and, under
+ZeRO-3, each layer is gathered one layer ahead of its compute and again in the
+backward pass: at most two layers are whole at once. ``tensor_parallel_specs``
+says how Megatron-style tensor parallelism places the layers' weights.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -26,40 +24,12 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 import zerojax.flax
 
-VOCAB = 256  # bytes
+from . import configs
+from .data import VOCAB
+
 SAMPLE_PROMPT = "def "
 SAMPLE_LENGTH = 240
 SAMPLE_TEMPERATURE = 0.7
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-  """A model size and the defaults of the flags that go with it."""
-
-  d_model: int
-  n_layers: int
-  n_heads: int
-  seq_len: int
-  batch_size: int
-  lr: float
-  steps: int
-
-
-PRESETS = {
-  # For CI: seconds on a laptop CPU.
-  "tiny": Preset(d_model=64, n_layers=2, n_heads=4, seq_len=64, batch_size=32, lr=3e-3, steps=50),
-  # The default: a few minutes on a 2-core CPU, well below the unigram baseline.
-  "small": Preset(
-    d_model=128, n_layers=4, n_heads=4, seq_len=64, batch_size=32, lr=3e-3, steps=600
-  ),
-  # For accelerators.
-  "medium": Preset(
-    d_model=512, n_layers=8, n_heads=8, seq_len=256, batch_size=64, lr=6e-4, steps=5000
-  ),
-  "large": Preset(
-    d_model=1024, n_layers=24, n_heads=16, seq_len=512, batch_size=128, lr=3e-4, steps=20000
-  ),
-}
 
 
 def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -67,7 +37,7 @@ def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 class Block(nn.Module):
-  """One pre-norm transformer layer, in the ``(carry, _) -> (carry, None)`` form of ``nn.scan``."""
+  """One pre-norm transformer layer, in the ``(carry, _) -> (carry, None)`` form of a scan."""
 
   d_model: int
   n_heads: int
@@ -108,19 +78,19 @@ class Tables(nn.Module):
 
 
 class GPT(nn.Module):
-  """A decoder-only transformer over bytes; its layers run under ``nn.scan``.
+  """A decoder-only transformer over bytes; its layers run under ``zerojax.flax.scan``.
 
-  Each module gathers its own parameters when it is called
-  (``zerojax.flax.gathered``), and the scanned block is also rematerialised
-  with ``zerojax.remat_policy`` (``zerojax.flax.remat_gathered``), so under
-  ZeRO-3 one layer is whole at a time, in the forward and the backward pass.
-  On full parameters (stage 0, evaluation) the gathers do nothing.
+  The tables gather their own parameters when they are called
+  (``zerojax.flax.gathered``); the layers arrive gathered, ``prefetch`` layers
+  ahead of their compute (``zerojax.scan``). On full parameters (stage 0,
+  evaluation) nothing is gathered.
   """
 
   d_model: int
   n_layers: int
   n_heads: int
   seq_len: int
+  prefetch: int = 1
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -129,19 +99,15 @@ class GPT(nn.Module):
     # A one-hot matmul rather than a gather: its sharding follows the tokens' in
     # every view (a gather under explicit sharding must be told its output's).
     x = jax.nn.one_hot(tokens, VOCAB) @ embed + pos[: tokens.shape[1]]
-    layers = nn.scan(
-      zerojax.flax.remat_gathered(Block, prevent_cse=False),
-      variable_axes={"params": 0},
-      split_rngs={"params": True},
-      length=self.n_layers,
-    )
+    layers = zerojax.flax.scan(Block, length=self.n_layers, prefetch=self.prefetch)
     residual_std = 0.02 / math.sqrt(2 * self.n_layers)
     x, _ = layers(self.d_model, self.n_heads, residual_std, name="layers")(x, None)
     return rms_norm(x, norm_out) @ embed.T
 
 
-def make_model(preset: Preset, seq_len: int) -> GPT:
-  return GPT(preset.d_model, preset.n_layers, preset.n_heads, seq_len)
+def make_model(preset: configs.Preset, seq_len: int, prefetch: int = 1) -> GPT:
+  """The GPT of ``preset``'s size, for windows of ``seq_len`` bytes."""
+  return GPT(preset.d_model, preset.n_layers, preset.n_heads, seq_len, prefetch)
 
 
 def init_params(model: GPT, seed: int) -> dict[str, Any]:

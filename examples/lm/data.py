@@ -5,7 +5,9 @@ name and capped, read as bytes (the vocabulary is the 256 byte values). The
 last ``VAL_FRACTION`` is held out. Batches are windows at random starts that
 are a function of the seed and the step alone, so a resumed run trains on
 exactly the batches an uninterrupted one would; each process builds only its
-own rows and ``zerojax.global_batch`` joins them over the mesh.
+own rows and ``zerojax.global_batch`` joins them over the mesh. ``Batches``
+puts it together for a run: the training batch of each step and the one
+validation batch, split over the mesh.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import jax
 import numpy as np
 
 import zerojax
+
+from . import configs
 
 VOCAB = 256  # bytes
 MAX_CORPUS_BYTES = 3 * 2**20
@@ -88,3 +92,34 @@ def global_batch(
   return zerojax.global_batch(
     windows(data, mine, seq_len), mesh, axis_name=axes, check_processes=check_processes
   )
+
+
+class Batches:
+  """The corpus, split over a run's mesh: each step's training batch and the validation batch.
+
+  Attributes:
+    corpus: the training and validation bytes.
+    unigram_loss: the validation loss of byte frequencies, for scale.
+    validation: the validation batch, ``configs.EVAL_BATCHES`` times the
+      batch size of windows spread evenly over the validation bytes.
+  """
+
+  def __init__(self, config: configs.Config, mesh: jax.sharding.Mesh):
+    self.corpus = load_corpus()
+    self.unigram_loss = unigram_loss(self.corpus.train, self.corpus.val)
+    self._config, self._mesh = config, mesh
+    count = configs.EVAL_BATCHES * config.batch_size
+    starts = validation_starts(self.corpus, count, config.seq_len)
+    self.validation = self._split(self.corpus.val, starts, check_processes=True)
+
+  def train(self, step: int) -> tuple[jax.Array, jax.Array]:
+    """Step ``step``'s inputs and targets: a function of the seed and the step alone."""
+    config = self._config
+    starts = train_starts(self.corpus, config.seed, step, config.batch_size, config.seq_len)
+    return self._split(self.corpus.train, starts)
+
+  def _split(self, data, starts, *, check_processes=False):
+    config = self._config
+    return global_batch(
+      data, starts, config.seq_len, self._mesh, config.batch_axes, check_processes=check_processes
+    )

@@ -1,0 +1,162 @@
+"""The settings of a training run: model presets, and one run's resolved and checked ``Config``.
+
+A ``Preset`` is a model size with the defaults of the flags that go with it;
+a ``Config`` is everything one run of ``examples/train_lm.py`` needs, built
+from the flags once they are all known, and checked as a whole: every
+mistake is a ``ValueError`` that names the flags to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+
+#: Validation windows per evaluation, in units of ``batch_size``.
+EVAL_BATCHES = 4
+#: The mesh axes the example knows, in mesh order.
+MESH_AXES = ("replica", "data", "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A model size and the defaults of the flags that go with it."""
+
+  d_model: int
+  n_layers: int
+  n_heads: int
+  seq_len: int
+  batch_size: int
+  lr: float
+  steps: int
+
+
+PRESETS = {
+  # For CI: seconds on a laptop CPU.
+  "tiny": Preset(d_model=64, n_layers=2, n_heads=4, seq_len=64, batch_size=32, lr=3e-3, steps=50),
+  # The default: a few minutes on a 2-core CPU, well below the unigram baseline.
+  "small": Preset(
+    d_model=128, n_layers=4, n_heads=4, seq_len=64, batch_size=32, lr=3e-3, steps=600
+  ),
+  # For accelerators.
+  "medium": Preset(
+    d_model=512, n_layers=8, n_heads=8, seq_len=256, batch_size=64, lr=6e-4, steps=5000
+  ),
+  "large": Preset(
+    d_model=1024, n_layers=24, n_heads=16, seq_len=512, batch_size=128, lr=3e-4, steps=20000
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One training run, as the flags of ``examples/train_lm.py`` describe it.
+
+  Attributes:
+    model: the ``PRESETS`` name.
+    stage: 0 (replicated data parallelism) or the ZeRO stage, 1 to 3.
+    steps: training steps.
+    batch_size: the global batch, in sequences.
+    seq_len: the context length, in bytes.
+    lr: the peak learning rate.
+    devices: the devices of the mesh.
+    mesh: the named axes and their sizes, as given (``None``: one ``data`` axis).
+    precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+    quantized_weights: ``"int8"``, ``"int4"`` or ``None``.
+    quantized_gradients: ``"int8"``, ``"int4"`` or ``None``.
+    quantization_block_size: elements per scale.
+    microbatches: micro-batches accumulated per step.
+    prefetch: layers gathered ahead of the compute by ``zerojax.scan`` (0 or 1).
+    checkpoint_dir: where checkpoints go (``None``: no checkpoints).
+    save_every: steps between checkpoints.
+    keep: checkpoints to keep.
+    resume: whether to continue from the latest checkpoint.
+    seed: the seed of the initial parameters and of the batches.
+    eval_every: steps between validations.
+    report: whether to end with the memory table and a sample.
+    out: where the metrics, the loss log and the plot go.
+  """
+
+  model: str
+  stage: int
+  steps: int
+  batch_size: int
+  seq_len: int
+  lr: float
+  devices: int
+  mesh: dict[str, int] | None
+  precision: str
+  quantized_weights: str | None
+  quantized_gradients: str | None
+  quantization_block_size: int
+  microbatches: int
+  prefetch: int
+  checkpoint_dir: pathlib.Path | None
+  save_every: int
+  keep: int
+  resume: bool
+  seed: int
+  eval_every: int
+  report: bool
+  out: pathlib.Path
+
+  def __post_init__(self):
+    for problem in (self._options_problem(), self._layout_problem()):
+      if problem:
+        raise ValueError(problem)
+
+  @property
+  def preset(self) -> Preset:
+    return PRESETS[self.model]
+
+  @property
+  def mesh_shape(self) -> dict[str, int]:
+    """The mesh's axes and sizes: ``mesh``, or ``devices`` on one ``data`` axis."""
+    return self.mesh or {"data": self.devices}
+
+  @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """The mesh axes the batch is split over."""
+    return tuple(axis for axis in ("replica", "data") if axis in self.mesh_shape)
+
+  def _options_problem(self) -> str | None:
+    """What is wrong with the stage and its options, if anything."""
+    if self.stage == 0 and (
+      self.precision != "fp32" or self.microbatches != 1 or self.quantized_gradients
+    ):
+      return "--precision, --microbatches and --quantized-gradients apply to stages 1-3 (zerojax)"
+    if self.stage != 3 and self.quantized_weights:
+      return "--quantized-weights applies to stage 3, the one that gathers weights"
+    if self.quantization_block_size % 2:
+      return (
+        f"--quantization-block-size {self.quantization_block_size}: make it even (int4 packs "
+        "two codes a byte); 256 is ZeRO++'s"
+      )
+    if self.stage == 0 and set(self.mesh_shape) != {"data"}:
+      return "--stage 0 is plain data parallelism over --devices; --mesh is for stages 1-3"
+    if self.stage == 0 and self.checkpoint_dir:
+      return "--checkpoint-dir applies to stages 1-3 (zerojax)"
+    if self.resume and not self.checkpoint_dir:
+      return "--resume needs --checkpoint-dir"
+    return None
+
+  def _layout_problem(self) -> str | None:
+    """What does not fit between the devices, the mesh, the model and the batch, if anything."""
+    sizes = self.mesh_shape
+    if math.prod(sizes.values()) != self.devices:
+      return f"--devices {self.devices} but --mesh has {math.prod(sizes.values())}"
+    model = sizes.get("model", 1)
+    if self.preset.d_model % model:
+      fits = [n for n in range(2, self.preset.d_model + 1) if self.preset.d_model % n == 0][:4]
+      return (
+        f"--mesh model={model} does not divide the {self.model} model's d_model "
+        f"{self.preset.d_model}, which tensor parallelism splits; take model= one of "
+        f"{', '.join(map(str, fits))}, ..."
+      )
+    batch_devices = sizes.get("replica", 1) * sizes["data"]
+    if self.batch_size % (batch_devices * self.microbatches):
+      return (
+        f"--batch-size {self.batch_size} must be a multiple of the {batch_devices} devices the "
+        f"batch is split over (replica x data) times --microbatches {self.microbatches}"
+      )
+    return None

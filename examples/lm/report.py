@@ -1,0 +1,197 @@
+"""What examples/train_lm.py prints and writes: header, progress, memory, metrics and plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import statistics
+from typing import Any
+
+import jax
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+from . import configs
+
+
+@dataclasses.dataclass
+class History:
+  """What the training loop measured, step by step.
+
+  Attributes:
+    first_step: the first step trained (after a resume, the one after the checkpoint's).
+    train_loss: every step's training loss.
+    val_loss: ``{"step": ..., "loss": ...}`` of every validation.
+    step_seconds: every step's wall time.
+    grad_norms: every step's gradient norm before clipping (stages 1-3).
+  """
+
+  first_step: int
+  train_loss: list[float] = dataclasses.field(default_factory=list)
+  val_loss: list[dict[str, float]] = dataclasses.field(default_factory=list)
+  step_seconds: list[float] = dataclasses.field(default_factory=list)
+  grad_norms: list[float] = dataclasses.field(default_factory=list)
+
+  def record(self, loss: float, seconds: float, opt_state: Any) -> None:
+    """Notes a step's loss, time and, with a zerojax state, its pre-clip gradient norm."""
+    self.train_loss.append(loss)
+    self.step_seconds.append(seconds)
+    if hasattr(opt_state, "pre_clip_grad_norm"):
+      self.grad_norms.append(float(opt_state.pre_clip_grad_norm))
+
+
+def describe(config: configs.Config, n_params: int, platform: str, corpus: Any) -> str:
+  """The run's first line: model, stage, devices, precision and data."""
+  mesh = ", ".join(f"{name}={size}" for name, size in (config.mesh or {}).items())
+  quantized = {"weights": config.quantized_weights, "gradients": config.quantized_gradients}
+  wire = ", ".join(f"{bits} {what}" for what, bits in quantized.items() if bits)
+  return (
+    f"{config.model} model: {n_params / 1e6:.2f}M params, stage {config.stage} on "
+    f"{config.devices} {platform} devices{f' (mesh {mesh})' if mesh else ''} in "
+    f"{_count(jax.process_count(), 'process', 'processes')}, {config.precision} precision"
+    f"{f' with {wire} on the wire' if wire else ''}, "
+    f"{_count(config.microbatches, 'micro-batch', 'micro-batches')}; "
+    f"{len(corpus.train) / 1e6:.2f}M train bytes, {len(corpus.val) / 1e3:.0f}K validation bytes"
+  )
+
+
+def progress_bar(config: configs.Config, first_step: int, *, enabled: bool) -> tqdm:
+  """The steps from ``first_step`` on, with a progress bar (shown if ``enabled``)."""
+  return tqdm(
+    range(first_step, config.steps + 1),
+    desc=f"ZeRO-{config.stage}",
+    dynamic_ncols=True,
+    initial=first_step - 1,
+    total=config.steps,
+    disable=not enabled,
+  )
+
+
+def progress(history: History, opt_state: Any, tokens: int) -> dict[str, Any]:
+  """The progress bar's figures after a step."""
+  stats = dict(loss=f"{history.train_loss[-1]:.3f}")
+  if hasattr(opt_state, "pre_clip_grad_norm"):
+    stats["grad_norm"] = f"{history.grad_norms[-1]:.2f}"  # before clip_by_global_norm
+    if opt_state.loss_scale is not None:
+      stats["skipped"] = int(opt_state.skipped_steps)
+  seconds = history.step_seconds[-1]
+  return stats | dict(tok_s=f"{tokens / seconds:,.0f}", step_ms=f"{1e3 * seconds:.0f}")
+
+
+def validation(history: History, unigram_loss: float) -> str:
+  """The line printed after a validation."""
+  return (
+    f"step {history.val_loss[-1]['step']}: train {history.train_loss[-1]:.3f}, validation "
+    f"{history.val_loss[-1]['loss']:.3f} (unigram {unigram_loss:.3f}) nats/byte"
+  )
+
+
+def per_device_bytes(tree: Any) -> int:
+  """Bytes of ``tree`` that one device holds: the size of its shard of every leaf."""
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+MEMORY_ROWS = {
+  "params_and_opt_state": "params + optimizer state",
+  "arguments": "step arguments",
+  "outputs": "step outputs",
+  "temporaries": "step temporaries",
+}
+
+
+def memory_stats(compiled: jax.stages.Compiled, params: Any, opt_state: Any) -> dict[str, int]:
+  """Per-device bytes of a compiled train step, as XLA measured them, and of its state."""
+  analysis = compiled.memory_analysis()
+  return {
+    "params_and_opt_state": per_device_bytes((params, opt_state)),
+    "arguments": analysis.argument_size_in_bytes,
+    "outputs": analysis.output_size_in_bytes,
+    "temporaries": analysis.temp_size_in_bytes,
+  }
+
+
+def format_memory(memory: dict[str, dict[str, int]]) -> str:
+  """A table of per-device MiB, one column per stage, one row per ``MEMORY_ROWS`` entry."""
+  lines = [f"{'per-device memory (MiB)':<26}" + "".join(f"{stage:>10}" for stage in memory)]
+  for key, label in MEMORY_ROWS.items():
+    lines.append(f"{label:<26}" + "".join(f"{m[key] / 2**20:>10.2f}" for m in memory.values()))
+  return "\n".join(lines)
+
+
+def metrics(
+  config: configs.Config,
+  history: History,
+  *,
+  n_params: int,
+  platform: str,
+  unigram_loss: float,
+  skipped_steps: int,
+  compile_seconds: float,
+  memory: dict[str, dict[str, int]],
+  sample: str | None,
+) -> dict[str, Any]:
+  """The run's settings and results, as ``metrics.json`` holds them."""
+  settings = dataclasses.asdict(config) | {
+    "out": str(config.out),
+    "checkpoint_dir": config.checkpoint_dir and str(config.checkpoint_dir),
+    "mesh": config.mesh_shape,
+    "n_params": n_params,
+    "platform": platform,
+  }
+  step_seconds = statistics.median(history.step_seconds)
+  return {
+    "config": dataclasses.asdict(config.preset) | settings,
+    "unigram_loss": unigram_loss,
+    "first_step": history.first_step,
+    "train_loss": history.train_loss,
+    "val_loss": history.val_loss,
+    "pre_clip_grad_norm": history.grad_norms,
+    "skipped_steps": skipped_steps,
+    "compile_seconds": compile_seconds,
+    "step_seconds": step_seconds,
+    "tokens_per_second": config.batch_size * config.seq_len / step_seconds,
+    "memory_bytes": memory,
+    "sample": sample,
+  }
+
+
+def write(out: pathlib.Path, metrics: dict[str, Any]) -> None:
+  """Writes ``metrics.json`` and the loss plot ``loss.png`` into ``out``, and says so."""
+  (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+  plot(out / "loss.png", metrics["train_loss"], metrics["val_loss"], metrics["unigram_loss"])
+  print(f"wrote {out / 'metrics.json'} and {out / 'loss.png'}")
+
+
+def plot(
+  path: pathlib.Path, train_loss: list[float], val_loss: list[dict[str, float]], baseline: float
+) -> None:
+  """Saves the loss curves, with the unigram baseline for scale."""
+  figure = Figure(figsize=(7, 4))
+  ax = figure.subplots()
+  ax.plot(train_loss, label="train", linewidth=0.8)
+  ax.plot([v["step"] for v in val_loss], [v["loss"] for v in val_loss], "o-", label="validation")
+  ax.axhline(baseline, color="gray", linestyle="--", label="unigram baseline")
+  ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)")
+  ax.legend()
+  figure.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def start_loss_log(out: pathlib.Path, *, keep: bool) -> pathlib.Path:
+  """``out/losses.jsonl``, emptied unless ``keep``: appended to every step, so a killed run
+  keeps its lines (and a resumed one adds to them)."""
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / "losses.jsonl"
+  if not keep:
+    path.unlink(missing_ok=True)
+  return path
+
+
+def log_loss(path: pathlib.Path, step: int, loss: float) -> None:
+  """Appends ``{"step": step, "loss": loss}`` to ``path`` as one line (one small write)."""
+  with open(path, "a") as log:
+    log.write(json.dumps({"step": step, "loss": loss}) + "\n")
+
+
+def _count(n: int, one: str, many: str) -> str:
+  return f"{n} {one if n == 1 else many}"

@@ -1,0 +1,60 @@
+"""Fake several devices on one CPU, so that sharding over a mesh is real without accelerators."""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+
+
+def use_cpu_devices(count: int) -> None:
+  """Gives JAX's CPU backend ``count`` devices (call it before anything touches a device).
+
+  On a machine without accelerators, JAX has one CPU device; with ``count`` of
+  them, ``jax.make_mesh((count,), ("data",))`` and every zerojax collective run
+  for real, one device per thread. JAX reads the number when its backend
+  starts, on the first use of a device (``jax.devices()``, an array, a jitted
+  call), not on ``import jax``; so call this first, after the imports. It sets
+  ``jax.config.update("jax_num_cpu_devices", count)``, which takes precedence
+  over ``XLA_FLAGS=--xla_force_host_platform_device_count``. Only the CPU
+  platform is affected: on GPUs or TPUs the mesh still spans the accelerators.
+
+  Once the backend has started, the count cannot change any more: calling this
+  again with the count it has does nothing, and with another count raises.
+
+  Args:
+    count: the number of CPU devices, at least 1.
+
+  Raises:
+    ValueError: if ``count`` is below 1, or JAX's CPU backend already started
+      with another number of devices.
+
+  Example:
+    At the top of a script, on a CPU-only machine:
+
+    >>> import jax, zerojax
+    >>> zerojax.use_cpu_devices(8)
+    >>> jax.device_count()
+    8
+
+    Too late to change the number:
+
+    >>> zerojax.use_cpu_devices(4)
+    Traceback (most recent call last):
+    ...
+    ValueError: JAX's CPU backend already started with 8 devices, so it cannot have 4 ...
+  """
+  count = operator.index(count)
+  if count < 1:
+    raise ValueError(f"use_cpu_devices needs at least 1 device, got {count}.")
+  try:
+    # Accepted before the backend starts, and afterwards if it is the value already set.
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError:
+    started_with = len(jax.local_devices(backend="cpu"))
+    if started_with != count:
+      raise ValueError(
+        f"JAX's CPU backend already started with {started_with} devices, so it cannot have "
+        f"{count} now: call zerojax.use_cpu_devices({count}) before anything touches a device "
+        "(jax.devices(), creating an array, a jitted call), or run in a fresh process."
+      ) from None
