@@ -14,8 +14,12 @@ step) and arithmetic, not speed; docs/offload.md says what an accelerator adds.
 
 import functools
 import itertools
+import os
 import re
+import subprocess
+import sys
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +41,7 @@ from tests.test_fault_tolerance import (
 from tests.test_precision import FP16, assert_bit_identical, poisoned_batch
 from zerojax._src import offload as offload_lib
 
+ROOT = Path(__file__).resolve().parent.parent
 STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "fp16": FP16}
 PATHS = ("explicit", "drop-in")
@@ -103,9 +108,13 @@ def placement(state: zerojax.ZeroState) -> dict[str, set[str]]:
   }
 
 
+#: The ZeroState fields each mode keeps in host memory (the loss scale and the
+#: counters stay on the device: the gradient path reads the scale).
+OFFLOADED = {None: (), "optimizer": ("inner_state",), "optimizer+master": ("inner_state", "master")}
+
+
 def expected_placement(state: zerojax.ZeroState, offload: str | None) -> dict[str, set[str]]:
-  moved = offload_lib.Offload(offload).fields
-  return {name: {HOST if name in moved else "device"} for name in placement(state)}
+  return {name: {HOST if name in OFFLOADED[offload] else "device"} for name in placement(state)}
 
 
 class Run(NamedTuple):
@@ -185,6 +194,37 @@ def test_offload_changes_no_number(configuration):
     assert int(offloaded.state.skipped_steps) == 1  # the poisoned step, skipped
 
 
+def test_offload_changes_no_number_under_an_optimizing_compiler():
+  # The tests compile without LLVM's optimisation (conftest.py), which fuses and
+  # rounds the same way whatever the program's shape. Users compile with it: the
+  # configurations whose programs differ in shape (stage 3 keeping its master
+  # copy apart) run again in a process that does, and must still agree bit for bit.
+  flags = os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "")
+  environment = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": str(ROOT)}
+  environment.pop("JAX_COMPILATION_CACHE_DIR")
+  code = (
+    "import zerojax; zerojax.use_cpu_devices(8); import tests.test_offload as t; t.master_apart()"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=600
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split() == ["agree"] * 3
+
+
+def master_apart() -> None:
+  """Stage 3 under optimizer+master against no offload, printing "agree" per configuration.
+
+  fp16 (loss scaling, a skipped step) and clipping, on both paths, and a
+  hybrid tensor-parallel mesh: the configurations that once rounded differently.
+  """
+  for path in PATHS:
+    test_offload_changes_no_number((3, "fp16", path, "optimizer+master"))
+    print("agree", flush=True)
+  test_multi_axis_meshes_and_quantized_communication("both", False, 3, (BF16,), "optimizer+master")
+  print("agree", flush=True)
+
+
 # The compiled step: offloaded buffers are in host memory space (S(5)) on the way in and out.
 
 _HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32"}
@@ -220,7 +260,7 @@ def shard_signatures(tree) -> Counter:
 def test_compiled_step_keeps_offloaded_buffers_in_host_memory_space(configuration):
   result = run(*configuration)
   compiled = result.step.lower(result.params, result.state, *models.make_batch()).compile()
-  fields = offload_lib.Offload(configuration[-1]).fields
+  fields = OFFLOADED[configuration[-1]]
   inputs, outputs = host_buffers(compiled)
   assert inputs == outputs == shard_signatures([getattr(result.state, f) for f in fields])
   (_, state_in, *_), _ = compiled.input_formats
@@ -259,7 +299,7 @@ def test_accumulating_micro_batches_touches_the_offloaded_state_once_per_step(st
   tx = STAGES[stage](inner(), mesh=mesh_for(stage, "explicit"), precision=FP16, offload=MODES[1])
   full = models.make_params()
   state, params = tx.init(full), tx.shard(full)
-  offloaded = len(jax.tree.leaves([getattr(state, f) for f in tx_fields(tx)]))
+  offloaded = len(jax.tree.leaves([getattr(state, f) for f in OFFLOADED[tx.offload]]))
 
   def counted(microbatches):
     def step(params, state, *batch):
@@ -273,10 +313,6 @@ def test_accumulating_micro_batches_touches_the_offloaded_state_once_per_step(st
   spaces = (jax.memory.Space.Device, jax.memory.Space.Host)
   expected = Counter({(str(space), False): offloaded for space in spaces})
   assert counted(1) == counted(4) == expected
-
-
-def tx_fields(tx) -> tuple[str, ...]:
-  return offload_lib.Offload(tx.offload).fields
 
 
 # Bytes per device, by memory kind, measured from the live arrays.
