@@ -163,13 +163,14 @@ def estimate_memory(
   num_params = num_params / tensor_parallel
   share = lambda splits, size: _share(splits, size, size, num_devices)
   master = master_bytes if param_bytes < master_bytes else 0
-  offload_lib.Offload(offload).check_master(bool(master))
-  host_bytes = {None: 0, "optimizer": state_bytes - master, "optimizer+master": state_bytes}
+  moved = offload_lib.Offload(offload)
+  moved.check_master(bool(master))
+  host_bytes = moved.host_bytes(state_bytes, master)
   return _estimate(
     share(stage_.splits_params, num_params * param_bytes),
     share(stage_.splits_grads, num_params * grad_bytes),
-    share(stage_.splits_state, num_params * (state_bytes - host_bytes[offload])),
-    share(stage_.splits_state, num_params * host_bytes[offload]),
+    share(stage_.splits_state, num_params * (state_bytes - host_bytes)),
+    share(stage_.splits_state, num_params * host_bytes),
   )
 
 

@@ -77,6 +77,17 @@ class Offload:
     moved = {name: jax.device_put(getattr(state, name), space) for name in self.fields}
     return state._replace(**moved)
 
+  def host_bytes(self, state_bytes: float, master_bytes: float) -> float:
+    """How many of ``state_bytes`` per parameter (``master_bytes`` of them the master copy) move.
+
+    Example:
+      >>> from zerojax._src.offload import Offload
+      >>> Offload("optimizer").host_bytes(12, 4), Offload("optimizer+master").host_bytes(12, 4)
+      (8, 12)
+    """
+    parts = {"inner_state": state_bytes - master_bytes, "master": master_bytes}
+    return sum(parts[name] for name in self.fields)
+
   def check_master(self, has_master: bool) -> None:
     """Raises if ``"optimizer+master"`` finds no master copy apart from the parameters.
 
