@@ -492,6 +492,18 @@ def test_estimator_refuses_what_it_cannot_offload():
     )
 
 
+def test_the_offloaded_master_copy_gathers_for_export():
+  # tx.gather and zerojax.gather_to_host read the master copy in host memory.
+  result = run(3, "bf16", "explicit", "optimizer+master")
+  master = result.tx.master_params(result.params, result.state)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(master)} == {HOST}
+  gathered = result.tx.gather(master)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(gathered)} == {"device"}
+  on_host = zerojax.gather_to_host(result.tx, master, max_piece_bytes=256)
+  assert_bit_identical(on_host, gathered)
+  assert {x.dtype for x in jax.tree.leaves(on_host)} == {np.dtype("float32")}
+
+
 # Checkpoints: offloaded state saved, restored into host memory, and across offload settings.
 
 
