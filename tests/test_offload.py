@@ -377,9 +377,10 @@ def test_bytes_by_memory_kind_match_the_estimator(stage, precision, offload, dev
   estimate = zerojax.estimate_tree_memory(
     full, optax.adam(1e-3), num_devices=N, stage=stage, precision=precision, offload=offload
   )
-  # Between steps a device holds its parameters and state; gradients live within a step.
-  assert measured["device"] == pytest.approx(estimate.params + estimate.optimizer_state, rel=0.01)
-  assert measured[HOST] == pytest.approx(estimate.host, rel=0.01)
+  # Between steps a device holds its parameters and state (gradients live within
+  # a step): the estimator's figures to the byte (the issue asks for 1%), and the
+  # formulas within 1% (Adam's step counter and zerojax's counters add a few bytes).
+  assert measured == {"device": estimate.params + estimate.optimizer_state, HOST: estimate.host}
   assert measured == pytest.approx({"device": device, HOST: host}, rel=0.01)
 
 
