@@ -378,6 +378,8 @@ import jax, jax.numpy as jnp, optax
 import zerojax
 from zerojax._src import distributed
 
+zerojax.use_cpu_devices(8)
+
 # The exit-hook shortcut gives up quietly: crashes just exit the slow way.
 hook = sys.excepthook
 distributed._exit_at_once_on_uncaught_exceptions()
