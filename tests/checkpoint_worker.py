@@ -12,7 +12,12 @@ checkpoint and prints the error, if any.
 Faults for the restart tests, in ``CHECKPOINT_WORKER_FAULT`` (comma-separated):
 ``kill-in-first-save`` kills the process (SIGKILL) while its first save is
 being written, on the first attempt only (``ZEROJAX_ATTEMPT``, set by
-``python -m zerojax.launch``); ``raise-at-N`` raises at step N, every time.
+``python -m zerojax.launch``); ``kill-after-save-N`` kills it once the save of
+step N is complete, on the first attempt only; ``raise-at-N`` raises at step
+N, every time.
+
+``CHECKPOINT_WORKER_OFFLOAD`` (``optimizer``) trains with the optimizer state
+in host memory; the run prints where the state lives when it starts.
 """
 
 import os
@@ -40,7 +45,8 @@ MODEL = {
 
 def setup(directory):
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
+  offload = os.environ.get("CHECKPOINT_WORKER_OFFLOAD") or None
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh, offload=offload)
   spec = train_state_spec(tx, MODEL, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
   return tx, CheckpointManager(directory, spec, max_to_keep=2)
 
@@ -83,14 +89,21 @@ def train(directory, steps):
     fresh = checkpoints.latest_step() is None
     state = initial_state(tx) if fresh else checkpoints.restore()
     print(f"start {None if fresh else int(state['step'])}", flush=True)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state["opt_state"].inner_state)}
+    print(f"optimizer state in {sorted(kinds)}", flush=True)
     train_step = make_train_step(tx)
     while int(state["step"]) < steps:
       state = train_step(state)
       if f"raise-at-{int(state['step'])}" in faults:
         raise RuntimeError(f"injected fault at step {int(state['step'])}")
       checkpoints.save(int(state["step"]), state)
-      if "kill-in-first-save" in faults and os.environ.get("ZEROJAX_ATTEMPT") == "1":
+      first_attempt = os.environ.get("ZEROJAX_ATTEMPT") == "1"
+      if "kill-in-first-save" in faults and first_attempt:
         print(f"killed while writing {sorted(os.listdir(directory))}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+      if f"kill-after-save-{int(state['step'])}" in faults and first_attempt:
+        checkpoints.wait()
+        print(f"killed after saving {int(state['step'])}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
       print(f"saving {int(state['step'])}", flush=True)
   final = tx.gather(state["params"])

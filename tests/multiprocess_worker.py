@@ -7,7 +7,8 @@ train each stage on the drop-in path (plain ``jax.value_and_grad``) too;
 save the stage-3 state to ``OUT/checkpoint`` and restore the one in
 ``RESTORE/checkpoint``, if given; train each stage again under hybrid sharding,
 on a (replica, data) mesh whose replicas are the processes (one "node" each),
-and stage 3 there with int8-quantized communication;
+and stage 3 there with int8-quantized communication, and with its optimizer
+state in host memory;
 provoke ``global_batch``'s errors. Every process writes
 what it saw to ``OUT/p<process id>.npz`` and ``.json``. The test runs the same
 function in its own single process for the comparison. ``die``: train until
@@ -131,6 +132,7 @@ def train_hybrid(report) -> dict:
   # cross-replica reduction is then an all-to-all and an all-gather of int8
   # codes between the processes.
   runs = [(stage, "hybrid", {}) for stage in STAGES] + [(3, "quantized", quantized)]
+  runs.append((3, "offloaded", {"offload": "optimizer"}))
   for stage, name, options in runs:
     tx = STAGES[stage](optax.adam(1e-2), mesh=mesh, replica_axis="replica", **options)
     params = tx.shard(models.make_params())
@@ -139,6 +141,8 @@ def train_hybrid(report) -> dict:
       params, state, loss = step(params, state, *batch)
       report["stages"][stage].setdefault(f"{name}_losses", []).append(float(loss))
     arrays.update(flat(f"{name}/{stage}/to_all", zerojax.gather_to_host(tx, params, process=None)))
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.inner_state)}
+    report["stages"][stage][f"{name}_state_in"] = sorted(kinds)
   return arrays
 
 

@@ -112,6 +112,21 @@ def test_two_processes_train_like_one_with_quantized_communication(runs):
   assert one["stages"]["3"]["quantized_losses"][1:] != one["stages"]["3"]["hybrid_losses"][1:]
 
 
+def test_two_processes_train_like_one_with_the_optimizer_state_in_host_memory(runs):
+  # Hybrid stage 3 with offload="optimizer": the same numbers on 2 processes as
+  # on one, and, on each, the numbers of the same run without offload, bit for bit.
+  (one_arrays, one), (two_arrays, two) = runs[1][0], runs[2][0]
+  for arrays, report in (*runs[1], *runs[2]):
+    assert report["stages"]["3"]["offloaded_state_in"] == ["pinned_host"]
+    assert report["stages"]["3"]["offloaded_losses"] == report["stages"]["3"]["hybrid_losses"]
+    plain = {k.replace("hybrid/3", "offloaded/3"): v for k, v in arrays.items()}
+    assert_trees_close(arrays, plain, "offloaded/3/to_all", atol=0)
+  np.testing.assert_allclose(
+    two["stages"]["3"]["offloaded_losses"], one["stages"]["3"]["offloaded_losses"], atol=1e-6
+  )
+  assert_trees_close(two_arrays, one_arrays, "offloaded/3/to_all", atol=1e-6)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_two_processes_train_like_one_on_the_drop_in_path(runs, stage):
   (one_arrays, one), (two_arrays, two) = runs[1][0], runs[2][0]

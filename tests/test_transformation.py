@@ -24,6 +24,7 @@ OPTIONS = {
   },
   "quantized": {"quantized_gradients": "int8", "quantization_block_size": 64},
   "replicas": {"replica_axis": "replica"},
+  "offload": {"offload": "optimizer+master", "precision": "bf16"},
 }
 
 COPIES = {
@@ -47,6 +48,7 @@ ATTRIBUTES = (
   "num_shards",
   "batch_axes",
   "num_replicas",
+  "offload",
 )
 
 

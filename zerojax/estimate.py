@@ -7,6 +7,7 @@ Examples:
     python -m zerojax.estimate --params 1.3e9 --devices 8 --optimizer adafactor --dtype float32
     python -m zerojax.estimate --params 7.5e9 --devices 8 --replicas 4 --tensor-parallel 2
     python -m zerojax.estimate --params 7.5e9 --devices 64 --quantized-gradients int8
+    python -m zerojax.estimate --params 7e9 --devices 8 --offload optimizer
 """
 
 from zerojax._src.estimate_cli import communication_table, main, state_bytes_per_param, table

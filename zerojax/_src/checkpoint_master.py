@@ -124,7 +124,9 @@ def rounded(master: Any, logical: Any, stored: Any) -> Any:
 
   def round_leaf(x, shape, struct):
     x = x[tuple(slice(0, n) for n in shape.shape)].astype(struct.dtype)
-    return jnp.pad(x, [(0, want - have) for want, have in zip(struct.shape, x.shape, strict=True)])
+    widths = [(0, want - have) for want, have in zip(struct.shape, x.shape, strict=True)]
+    # jnp.pad refuses the empty widths of a scalar.
+    return jnp.pad(x, widths) if x.ndim else x
 
   shardings = jax.tree.map(lambda struct: struct.sharding, stored)
   mesh = jax.tree.leaves(shardings)[0].mesh
@@ -135,4 +137,6 @@ def rounded(master: Any, logical: Any, stored: Any) -> Any:
     lambda master: jax.tree.map(round_leaf, master, logical, stored),
     jax.tree.map(lambda sharding: sharding.spec, shardings),
   )
-  return jax.jit(round_all, out_shardings=shardings)(master)
+  # An offloaded master copy is read in device memory, where the rounding runs.
+  fetched = lambda master: round_all(jax.device_put(master, jax.memory.Space.Device))
+  return jax.jit(fetched, out_shardings=shardings)(master)

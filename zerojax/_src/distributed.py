@@ -383,4 +383,5 @@ def _replicated_rows(x, start, *, mesh, leaf, padded, rows):
     x = leaf.unpad(x) if padded else x
     return x if rows is None else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0)
 
-  return mesh_lib.global_view(mesh, block, P())(x)
+  # An offloaded master copy (tx.master_params) is read in device memory.
+  return mesh_lib.global_view(mesh, block, P())(jax.device_put(x, jax.memory.Space.Device))

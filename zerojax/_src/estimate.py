@@ -9,6 +9,7 @@ import numpy as np
 import optax
 
 from zerojax._src import layout as layout_lib
+from zerojax._src import offload as offload_lib
 from zerojax._src import precision as precision_lib
 from zerojax._src import quantize, stages
 from zerojax._src.plans import Planner
@@ -21,29 +22,49 @@ STAGES = stages.NUMBERS
 class MemoryEstimate(NamedTuple):
   """Bytes per device of the model states (activations and temporaries not included).
 
+  The first four fields count device memory; ``host`` counts what ``offload``
+  keeps in host memory for the device (a host of 8 devices holds 8 times that).
+
   Attributes:
     params: parameters.
     grads: gradients.
-    optimizer_state: optimizer state (with fp32 master weights, if any).
-    total: the sum.
+    optimizer_state: optimizer state (with fp32 master weights, if any), in
+      device memory.
+    total: the sum of the three: the device memory the model states take.
+    host: optimizer state (and master weights) offloaded to host memory; 0
+      without ``offload``.
 
   Example:
     >>> import zerojax
     >>> estimate = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3)
     >>> [round(gigabytes / 1e9, 2) for gigabytes in estimate]
-    [0.23, 0.23, 1.41, 1.88]
+    [0.23, 0.23, 1.41, 1.88, 0.0]
+    >>> offloaded = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3, offload="optimizer")
+    >>> round(offloaded.total / 1e9, 2), round(offloaded.host / 1e9, 2)
+    (0.94, 0.94)
   """
 
   params: float
   grads: float
   optimizer_state: float
   total: float
+  host: float = 0.0
 
 
 def _check(
-  num_devices: int, stage: int, replicas: int = 1, tensor_parallel: int = 1
+  num_devices: int,
+  stage: int,
+  replicas: int = 1,
+  tensor_parallel: int = 1,
+  offload: str | None = None,
 ) -> stages.Stage:
-  """The ``Stage`` numbered ``stage``, once the counts are checked."""
+  """The ``Stage`` numbered ``stage``, once the counts (and ``offload``) are checked."""
+  offload_lib.resolve(offload, None)
+  if offload is not None and stage == 0:
+    raise ValueError(
+      f"offload={offload!r} is estimated for zerojax's stages 1 to 3, whose state it moves; "
+      "pass stage=1, 2 or 3 (stage 0, plain data parallelism, is the baseline)."
+    )
   for name, value in (
     ("num_devices", num_devices),
     ("replicas", replicas),
@@ -59,8 +80,8 @@ def _share(splits: bool, whole: float, split: float, num_devices: int) -> float:
   return split / num_devices if splits else float(whole)
 
 
-def _estimate(params, grads, state) -> MemoryEstimate:
-  return MemoryEstimate(params, grads, state, params + grads + state)
+def _estimate(params, grads, state, host=0.0) -> MemoryEstimate:
+  return MemoryEstimate(params, grads, state, params + grads + state, host)
 
 
 def estimate_memory(
@@ -73,12 +94,22 @@ def estimate_memory(
   param_bytes: float = 2,
   grad_bytes: float = 2,
   state_bytes: float = 12,
+  master_bytes: float = 4,
+  offload: str | None = None,
 ) -> MemoryEstimate:
   """Per-device bytes of parameters, gradients and optimizer state at a ZeRO stage.
 
   The defaults are the ZeRO paper's mixed-precision Adam: 2-byte parameters and
   gradients, and K = 12 bytes of state per parameter (fp32 master weights,
   momentum and variance). Stage 0 is plain data parallelism.
+
+  With ``offload``, what ``zerojax.zero1/2/3(..., offload=...)`` keeps in host
+  memory moves from ``optimizer_state`` to ``host``: ``"optimizer"`` moves
+  the state but the master weights (K - 4 bytes per parameter by default),
+  ``"optimizer+master"`` all of it. The master weights are part of K when the
+  parameters are stored in fewer bytes than they (``param_bytes <
+  master_bytes``); otherwise the parameters are the master weights and K is
+  all optimizer state.
 
   On a multi-axis mesh, ``num_devices`` is the size of the data axes only:
   ``replicas`` (hybrid sharding) multiply the devices but not the bytes per
@@ -96,9 +127,16 @@ def estimate_memory(
     param_bytes: bytes per parameter as stored for compute.
     grad_bytes: bytes per gradient element.
     state_bytes: K, optimizer-state bytes per parameter.
+    master_bytes: bytes per parameter of the master weights.
+    offload: ``None``, ``"optimizer"`` or ``"optimizer+master"``.
 
   Returns:
     A ``MemoryEstimate`` in bytes.
+
+  Raises:
+    ValueError: for a stage or count out of range, an unknown ``offload``,
+      offload at stage 0, or ``"optimizer+master"`` without separate master
+      weights.
 
   Example (the ZeRO paper's Table I, Ψ = 7.5B, N = 64):
     >>> import zerojax
@@ -111,14 +149,28 @@ def estimate_memory(
     >>> round(zerojax.estimate_memory(
     ...   7.5e9, num_devices=8, replicas=2, tensor_parallel=4, stage=3).total / 1e9, 2)
     3.75
+
+  A 7B model in fp32 with Adam (K = 8) on 8 devices at stage 2, its optimizer
+  state in host memory: 4Ψ on the device, 8Ψ/N in host memory per device.
+
+    >>> estimate = zerojax.estimate_memory(
+    ...   7e9, num_devices=8, stage=2, param_bytes=4, grad_bytes=4, state_bytes=8,
+    ...   offload="optimizer")
+    >>> estimate.params / 1e9, estimate.optimizer_state / 1e9, estimate.host / 1e9
+    (28.0, 0.0, 7.0)
   """
-  stage_ = _check(num_devices, stage, replicas, tensor_parallel)
+  stage_ = _check(num_devices, stage, replicas, tensor_parallel, offload)
   num_params = num_params / tensor_parallel
   share = lambda splits, size: _share(splits, size, size, num_devices)
+  master = master_bytes if param_bytes < master_bytes else 0
+  moved = offload_lib.Offload(offload)
+  moved.check_master(bool(master))
+  host_bytes = moved.host_bytes(state_bytes, master)
   return _estimate(
     share(stage_.splits_params, num_params * param_bytes),
     share(stage_.splits_grads, num_params * grad_bytes),
-    share(stage_.splits_state, num_params * state_bytes),
+    share(stage_.splits_state, num_params * (state_bytes - host_bytes)),
+    share(stage_.splits_state, num_params * host_bytes),
   )
 
 
@@ -130,6 +182,7 @@ def estimate_tree_memory(
   stage: int,
   min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
   precision: precision_lib.Precision | str | None = None,
+  offload: str | None = None,
 ) -> MemoryEstimate:
   """Per-device bytes of a real parameter tree and optax optimizer at a ZeRO stage.
 
@@ -139,7 +192,9 @@ def estimate_tree_memory(
   the layout plan has them, parameters in their stored dtype, the optimizer
   state from ``jax.eval_shape(optimizer.init, ...)`` plus the master copy that
   stages 1 and 2 keep under a mixed-precision policy, and gradients in the
-  master dtype (as ``zerojax.value_and_grad`` returns them).
+  master dtype (as ``zerojax.value_and_grad`` returns them). With ``offload``,
+  the offloaded state (and master copy) is counted in ``host``, and stage 3
+  under ``"optimizer+master"`` stores its parameters in the compute dtype.
 
   Args:
     params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` s.
@@ -148,6 +203,7 @@ def estimate_tree_memory(
     stage: 0, 1, 2 or 3 (0: plain data parallelism, the same policy).
     min_shard_size: as for ``zerojax.zero1`` etc.
     precision: as for ``zerojax.zero1`` etc.
+    offload: as for ``zerojax.zero1`` etc.
 
   Returns:
     A ``MemoryEstimate`` in bytes.
@@ -161,8 +217,15 @@ def estimate_tree_memory(
     ...   params, optax.adam(1e-3), num_devices=8, stage=1, precision="bf16"
     ... ).params
     2097152.0
+
+  Offloaded, stage 3's optimizer state (two fp32 moments) is in host memory:
+
+    >>> estimate = zerojax.estimate_tree_memory(
+    ...   params, optax.adam(1e-3), num_devices=8, stage=3, offload="optimizer")
+    >>> estimate.total, estimate.host
+    (1048584.0, 1048580.0)
   """
-  stage_ = _check(num_devices, stage)
+  stage_ = _check(num_devices, stage, offload=offload)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
   settings = Settings(
     inner=optax.with_extra_args_support(optimizer),
@@ -170,18 +233,25 @@ def estimate_tree_memory(
     mesh=jax.sharding.AbstractMesh((num_devices,), ("data",)),
     min_shard_size=min_shard_size,
     precision=precision_lib.resolve(precision),
+    offload=offload_lib.Offload(offload),
   )
   planner = Planner(settings)
   plans = planner.plan(abstract)
-  state = [plans.state] + ([plans.master] if plans.master is not None else [])
+  offloaded = settings.offload.fields
+  device, host = [], []
+  for name, layout in (("inner_state", plans.state), ("master", plans.master)):
+    if layout is not None:
+      (host if name in offloaded else device).append(_bytes(layout, num_devices))
   if stage_.splits_state:
-    state.append(planner.split(jax.eval_shape(lambda: bookkeeping(settings.precision))))
-  state_bytes = [_bytes(layout, num_devices) for layout in state]
+    bookkeeping_ = planner.split(jax.eval_shape(lambda: bookkeeping(settings.precision)))
+    device.append(_bytes(bookkeeping_, num_devices))
   share = lambda splits, counts: _share(splits, *counts, num_devices)
+  summed = lambda counts: tuple(map(sum, zip((0, 0), *counts, strict=True)))
   return _estimate(
     share(stage_.splits_params, _bytes(plans.params, num_devices)),
     share(stage_.splits_grads, _bytes(plans.sharded, num_devices)),
-    share(stage_.splits_state, tuple(map(sum, zip(*state_bytes, strict=True)))),
+    share(stage_.splits_state, summed(device)),
+    share(stage_.splits_state, summed(host)),
   )
 
 

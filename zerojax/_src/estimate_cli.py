@@ -64,11 +64,16 @@ def table(
   state_bytes,
   replicas: int = 1,
   tensor_parallel: int = 1,
+  offload: str | None = None,
+  master_bytes: float = 4,
 ) -> str:
   """The table ``main`` prints: GB per device for each stage and data-axis size.
 
   With ``replicas`` or ``tensor_parallel`` above 1, each row also gives the
-  job's total device count (replicas x data x tensor parallel).
+  job's total device count (replicas x data x tensor parallel). With
+  ``offload``, the cells of zero1-3 read "device memory + host memory" (plain
+  DP is not offloaded); ``master_bytes`` is the master copy's share of
+  ``state_bytes`` (see ``zerojax.estimate_memory``).
 
   Example:
     The ZeRO paper's Table I, 7.5B parameters with mixed-precision Adam, on 64 devices:
@@ -78,6 +83,13 @@ def table(
      devices   plain DP      zero1      zero2      zero3
     ----------------------------------------------------
           64     120.00      31.41      16.64       1.88
+
+    With the optimizer state (not the fp32 master weights) in host memory:
+
+    >>> print(table(7.5e9, [64], 2, 2, 12, offload="optimizer"))
+     devices         plain DP            zero1            zero2            zero3
+    ----------------------------------------------------------------------------
+          64           120.00     30.47 + 0.94     15.70 + 0.94      0.94 + 0.94
   """
 
   def row(n):
@@ -91,10 +103,13 @@ def table(
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         state_bytes=state_bytes,
+        master_bytes=master_bytes,
+        offload=offload if stage else None,
       )
-      yield f"{estimate.total / 1e9:.2f}"
+      host = f" + {estimate.host / 1e9:.2f}" if offload and stage else ""
+      yield f"{estimate.total / 1e9:.2f}{host}"
 
-  return _grid(devices, replicas, tensor_parallel, 10, row)
+  return _grid(devices, replicas, tensor_parallel, 16 if offload else 10, row)
 
 
 def communication_table(
@@ -242,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> str | None:
       f"{args.replicas} replica(s) x data x {args.tensor_parallel}-way tensor parallelism "
       "(every parameter counted as split over it).\n"
     )
-  memory = table(
+  memory = lambda offload: table(
     args.params,
     args.devices,
     args.param_bytes,
@@ -250,11 +265,22 @@ def main(argv: Sequence[str] | None = None) -> str | None:
     state_bytes,
     args.replicas,
     args.tensor_parallel,
+    offload,
+    master_bytes=jnp.dtype(args.dtype).itemsize,
   )
+  offloaded = ""
+  if args.offload:
+    try:
+      offloaded = (
+        f"With offload={args.offload!r}, GB per device in device memory + in host memory "
+        f"(a host holds that for each of its devices):\n{memory(args.offload)}\n\n"
+      )
+    except ValueError as error:
+      parser.error(str(error))
   text = (
     f"Ψ = {args.params:.3g} parameters; {args.param_bytes:g} B/param, "
     f"{args.grad_bytes:g} B/grad, K = {state_bytes:.3g} B/param of optimizer state "
-    f"({source}).\n{mesh}GB per device:\n{memory}\n\n{communication}"
+    f"({source}).\n{mesh}GB per device:\n{memory(None)}\n\n{offloaded}{communication}"
   )
   print(text)
   return None if argv is None else text
@@ -370,6 +396,12 @@ def _parser() -> argparse.ArgumentParser:
   ):
     help = f"also estimate {stages} quantized"
     parser.add_argument(f"--quantized-{what}", choices=sorted(quantize.FORMATS), help=help)
+  parser.add_argument(
+    "--offload",
+    choices=("optimizer", "optimizer+master"),
+    help="also give zero1-3 with the optimizer state (and the master copy) in host memory: "
+    "GB in device memory + GB in host memory, per device",
+  )
   parser.add_argument(
     "--block-size",
     type=_whole(least=1),

@@ -72,6 +72,8 @@ class ShardedOptimizer:
 
   def _gather_impl(self, params, plans: Plans):
     specs = plans.params.map(lambda leaf: leaf.full_spec(self.settings.data_axes))
+    # An offloaded master copy (tx.master_params) is gathered from device memory.
+    params = jax.device_put(params, jax.memory.Space.Device)
     return mesh_lib.global_view(self.settings.mesh, plans.to_logical, specs)(params)
 
   def _init_impl(self, params, plans: Plans):
@@ -85,10 +87,14 @@ class ShardedOptimizer:
         **bookkeeping(settings.precision),
       )
 
-    return mesh_lib.global_view(settings.mesh, init, plans.state_specs())(params)
+    state = mesh_lib.global_view(settings.mesh, init, plans.state_specs())(params)
+    return settings.offload.store(state)
 
   def _update_impl(self, updates, state, params, extra_args, plans: Plans):
     settings = self.settings
+    # Offloaded state is brought to device memory once per step, here, and
+    # written back at the end: the inner optimizer never computes in host memory.
+    state = settings.offload.fetch(state)
 
     def update(grads, state, params):
       # Logical shapes sharded like the stored ones: unevenly where padded,
@@ -100,14 +106,19 @@ class ShardedOptimizer:
       finite = precision_lib.all_finite(grads)
       keep = finite if settings.precision.skip_nonfinite else jnp.asarray(True)
       new_inner = precision_lib.select(keep, new_inner, inner_state)
+      new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
       new_master = None
       if plans.master is not None:
-        new_master = precision_lib.select(keep, optax.apply_updates(master, new_updates), master)
-        new_updates = _difference(settings.mesh, plans, new_master, params)
-      new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
+        # The master copy takes the sum that stored parameters which are the
+        # master copy take in optax.apply_updates, padded shape included, so
+        # that keeping it apart (stage 3 under offload="optimizer+master")
+        # leaves XLA nothing to fuse, and round, differently.
+        new_master = optax.apply_updates(state.master, plans.master.pad(new_updates))
+        new_updates = _difference(settings.mesh, plans, plans.master.unpad(new_master), params)
+        new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
       new_state = ZeroState(
         inner_state=plans.state.pad(new_inner),
-        master=None if new_master is None else plans.master.pad(new_master),
+        master=new_master,
         loss_scale=precision_lib.adjust_loss_scale(settings.precision, state.loss_scale, finite),
         skipped_steps=state.skipped_steps + (~keep).astype(jnp.int32),
         pre_clip_grad_norm=optax.tree.norm(grads).astype(jnp.float32),
@@ -115,7 +126,10 @@ class ShardedOptimizer:
       return plans.params.pad(new_updates), new_state
 
     out_specs = (plans.params.specs(), plans.state_specs())
-    return mesh_lib.global_view(settings.mesh, update, out_specs)(updates, state, params)
+    new_updates, new_state = mesh_lib.global_view(settings.mesh, update, out_specs)(
+      updates, state, params
+    )
+    return new_updates, settings.offload.store(new_state)
 
 
 def _master(mesh: Mesh, plans: Plans, state: ZeroState, params: Any) -> Any:
@@ -158,6 +172,6 @@ def _difference(mesh: Mesh, plans: Plans, new_master: Any, params: Any) -> Any:
       collectives.from_bits(new, leaf.dtype).astype(wide.dtype) - old.astype(wide.dtype)
     ),
     bits,
-    params,
+    plans.to_logical(params),  # stage 3's stored shards are padded
     new_master,
   )

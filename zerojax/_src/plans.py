@@ -21,9 +21,11 @@ class Plans(NamedTuple):
 
   Attributes:
     sharded: gradients and master parameters, what the optimizer state mirrors.
-    params: the stored parameters: ``sharded`` in stage 3, else replicated.
+    params: the stored parameters: ``sharded`` in stage 3 (in the compute dtype
+      with the master copy apart), else replicated in the compute dtype.
     state: the inner optimizer's state.
-    master: a separate master copy (stages 1-2 under a lower compute dtype), or ``None``.
+    master: a separate master copy (stages 1-2 under a lower compute dtype, and
+      stage 3 too when it is offloaded), or ``None``.
     loss_scaled: whether the precision policy scales the loss.
   """
 
@@ -90,7 +92,13 @@ class Planner:
     settings = self.settings
     precision = settings.precision
     sharded = self.split(params, rule=settings.layout).with_dtypes(precision.master_dtype)
-    stored, master = settings.stage.stored(sharded, precision.compute_dtype, settings.data_axes)
+    stored, master = settings.stage.stored(
+      sharded,
+      precision.compute_dtype,
+      settings.data_axes,
+      master_apart=settings.offload.moves_master,
+    )
+    settings.offload.check_master(master is not None)
     logical = sharded.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
     state = self.split(jax.eval_shape(settings.inner.init, logical), like=sharded)
     return Plans(sharded, stored, state, master, precision.loss_scale is not None)

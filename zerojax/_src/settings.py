@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
+from zerojax._src import offload as offload_lib
 from zerojax._src import precision as precision_lib
 from zerojax._src import quantize, stages
 
@@ -39,6 +40,7 @@ class Settings:
     quantized_weights: the ``zerojax.Quantization`` of stage 3's weight
       all-gathers, or ``None``.
     quantized_gradients: that of the gradient reductions, or ``None``.
+    offload: what lives in host memory between steps (``zerojax/_src/offload.py``).
   """
 
   inner: optax.GradientTransformationExtraArgs
@@ -51,6 +53,7 @@ class Settings:
   precision: precision_lib.Precision = dataclasses.field(default_factory=precision_lib.Precision)
   quantized_weights: quantize.Quantization | None = None
   quantized_gradients: quantize.Quantization | None = None
+  offload: offload_lib.Offload = dataclasses.field(default_factory=offload_lib.Offload)
 
   @property
   def data_axes(self) -> tuple[str, ...]:
@@ -95,6 +98,7 @@ def resolve(
   quantized_weights: str | None,
   quantized_gradients: str | None,
   quantization_block_size: int,
+  offload: str | None = None,
 ) -> Settings:
   """Checks a factory's arguments and resolves them into ``Settings``.
 
@@ -107,10 +111,11 @@ def resolve(
       "pass e.g. optax.adamw(1e-3)."
     )
   quantize.check_stage(stage, quantized_weights)
+  mesh = mesh_lib.resolve_mesh(mesh, axis_name, replica_axis)
   return Settings(
     inner=optax.with_extra_args_support(inner),
     stage=stages.of(stage),
-    mesh=mesh_lib.resolve_mesh(mesh, axis_name, replica_axis),
+    mesh=mesh,
     axis_name=axis_name,
     replica_axis=replica_axis,
     layout=layout,
@@ -122,4 +127,5 @@ def resolve(
     quantized_gradients=quantize.resolve(
       "quantized_gradients", quantized_gradients, quantization_block_size
     ),
+    offload=offload_lib.resolve(offload, mesh),
   )

@@ -145,8 +145,10 @@ class _ScatteredByGather(_ScatteredInLoss):
   def differentiable(self, leaf, param, settings):
     # The shard already varies over the data axes; over replicas it is made a
     # device's own too, so that its gradient is summed across them once, at
-    # the end, rather than by JAX at every use.
-    return _per_device(param, settings.replica_axes)
+    # the end, rather than by JAX at every use. It is differentiated in the
+    # master dtype (``leaf``'s), so that the gradient comes back in it even
+    # when the shard is stored in the compute dtype (the master copy apart).
+    return _per_device(param.astype(leaf.dtype), settings.replica_axes)
 
   def for_loss(self, leaf, param, differentiable, settings):
     return self._shard(leaf, differentiable, None, settings)
@@ -196,19 +198,33 @@ class Stage:
     return ALL_REDUCED if leaf.dim is None else self.route
 
   def stored(
-    self, sharded: layout_lib.Layout, compute_dtype: Any, data_axes: tuple[str, ...]
+    self,
+    sharded: layout_lib.Layout,
+    compute_dtype: Any,
+    data_axes: tuple[str, ...],
+    *,
+    master_apart: bool = False,
   ) -> tuple[layout_lib.Layout, layout_lib.Layout | None]:
     """The stored parameters' layout, and that of a separate master copy (or ``None``).
+
+    Stages 1 and 2 store a replicated copy in the compute dtype, and keep the
+    master copy apart (sharded) when the dtypes differ. Stage 3 stores the
+    master copy itself as the parameters, unless ``master_apart``: then, like
+    stages 1 and 2, it stores its shards in the compute dtype and keeps the
+    master copy apart (for ``offload="optimizer+master"``, which moves it to
+    host memory).
 
     Args:
       sharded: the plan, in the master dtype: how gradients, master parameters
         and the optimizer state are split.
       compute_dtype: the precision policy's ``compute_dtype``.
       data_axes: the data axes.
+      master_apart: stage 3: store the parameters in the compute dtype.
     """
-    if self.splits_params:
+    if self.splits_params and not master_apart:
       return sharded, None
-    stored = layout_lib.replicated(sharded, data_axes).with_dtypes(compute_dtype)
+    stored = sharded if self.splits_params else layout_lib.replicated(sharded, data_axes)
+    stored = stored.with_dtypes(compute_dtype)
     return stored, (sharded if stored.key(False) != sharded.key(False) else None)
 
   def __repr__(self) -> str:

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
@@ -58,6 +57,8 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     quantized_weights: the ``zerojax.Quantization`` (bits, block size) of
       stage 3's weight all-gathers, or ``None``.
     quantized_gradients: that of the gradient reductions, or ``None``.
+    offload: ``None``, ``"optimizer"`` or ``"optimizer+master"``: what lives in
+      host memory between steps (see the factories' ``offload``).
 
   Example:
     >>> import copy, jax, jax.numpy as jnp, optax, zerojax
@@ -123,6 +124,10 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     return self._optimizer.settings.quantized_gradients
 
   @property
+  def offload(self) -> str | None:
+    return self._optimizer.settings.offload.mode
+
+  @property
   def num_shards(self) -> int:
     """How many shards the data axes split everything into (the product of their sizes)."""
     return self._optimizer.settings.num_shards
@@ -146,9 +151,10 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     Stages 1 and 2 replicate them over the data axis; stage 3 keeps 1/N of
     each (zero-padding leaves whose sharded dimension does not divide by N).
     Floating-point leaves are cast to the stored dtype: the precision policy's
-    master dtype in stage 3; in stages 1 and 2 its compute dtype (so call
-    ``init`` on the full-precision parameters first). Inside ``jax.jit`` this
-    is a sharding constraint.
+    master dtype in stage 3; in stages 1 and 2, and in stage 3 with
+    ``offload="optimizer+master"``, its compute dtype (so call ``init`` on the
+    full-precision parameters first). Inside ``jax.jit`` this is a sharding
+    constraint.
     """
     plans = self._optimizer.plans(params)
     if mesh_lib.is_traced(params):
@@ -168,8 +174,10 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   def master_params(self, params: optax.Params, state: ZeroState) -> optax.Params:
     """The master (full-precision) parameters, as stored: sharded in every stage.
 
-    They are ``params`` themselves unless stages 1 or 2 keep a separate master
-    copy in ``state`` (a precision policy with a lower compute dtype).
+    They are ``params`` themselves unless the transformation keeps a separate
+    master copy in ``state``: stages 1 and 2 under a precision policy with a
+    lower compute dtype, and stage 3 too with ``offload="optimizer+master"``
+    (the copy then lives in host memory; ``tx.gather`` brings it back).
     """
     return params if state.master is None else state.master
 
@@ -200,11 +208,13 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     return self._optimizer.plans(params).params.shardings(self.mesh)
 
   def state_shardings(self, params: optax.Params) -> ZeroState:
-    """The ``NamedSharding`` of every optimizer-state leaf that ``init(params)`` returns."""
+    """The ``NamedSharding`` of every optimizer-state leaf that ``init(params)`` returns.
+
+    With ``offload``, those of the offloaded leaves name the ``pinned_host``
+    memory kind, so that a checkpoint restores them into host memory.
+    """
     specs = self._optimizer.plans(params).state_specs()
-    return jax.tree.map(
-      lambda spec: NamedSharding(self.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
-    )
+    return self._optimizer.settings.offload.shardings(self.mesh, specs)
 
   def logical_shapes(self, params: optax.Params) -> tuple[Any, ZeroState]:
     """``jax.ShapeDtypeStruct`` s of the stored parameters and state, without the padding.
@@ -293,6 +303,16 @@ _ARGS_DOC = """
       quantized all-to-all and all-gather too. Replicated small leaves stay
       unquantized. ``None`` by default.
     quantization_block_size: elements per scale (even; 256 by default).
+    offload: ``"optimizer"`` keeps the optimizer state in host memory
+      (``memory_kind="pinned_host"``, split as it would be on the devices)
+      between steps: ``init`` puts it there, and ``update`` copies it to
+      device memory, updates it there and writes it back, inside the jitted
+      step. ``"optimizer+master"`` moves the master copy of the parameters
+      too, under a precision policy with a lower compute dtype: stages 1 and
+      2 keep it apart from their compute-dtype parameters already; stage 3
+      then keeps it apart as well, and stores its shards in the compute
+      dtype. Numbers do not change. Raises on a platform without
+      ``pinned_host`` memory. ``None`` by default; see docs/offload.md.
 
   Returns:
     A ``ZeroTransformation``.
@@ -318,6 +338,7 @@ def _stage(stage: int, summary: str):
     quantized_weights: str | None = None,
     quantized_gradients: str | None = None,
     quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
+    offload: str | None = None,
   ) -> ZeroTransformation:
     if isinstance(inner, ZeroTransformation):
       raise ValueError(
@@ -369,6 +390,12 @@ zero2 = _stage(
     >>> _, grads = zerojax.value_and_grad(loss_fn, tx)(params, jnp.ones((8, 64)))
     >>> params["w"].sharding.spec, grads["w"].sharding.spec
     (P(), P(None, 'data'))
+
+  With the optimizer state in host memory between steps:
+
+    >>> offloaded = zerojax.zero2(optax.adam(1e-3), mesh=tx.mesh, offload="optimizer")
+    >>> offloaded.init(params).inner_state[0].mu["w"].sharding.memory_kind
+    'pinned_host'
 """,
 )
 zero3 = _stage(
