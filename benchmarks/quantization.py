@@ -274,23 +274,19 @@ BYTES_COLUMNS = (
   )
   | harness.columns("range")
 )
-PATHS_COLUMNS = harness.columns(
-  "setup",
-  more={
-    "path": ("path", "s"),
-    "mesh": ("mesh", "s"),
-    "data": ("over data (Ψ)", ".3f"),
-    "replica": ("over replica (Ψ)", ".3f"),
-  },
-)
+PATHS_COLUMNS = harness.columns("setup", more={"path": ("path", "s"), "mesh": ("mesh", "s")}) | {
+  axis: (f"over {axis} (Ψ)", ".3f") for axis in ("data", "replica")
+}
+#: The error columns: for the weights and the gradient, each error measure.
+_ERRORS = (("bound", "max error / half level", ".3f"), ("rms", "relative RMS error", ".2e"))
 ERROR_COLUMNS = {
   "format": ("format", "s"),
   "levels": ("levels", "d"),
   "payload": ("bytes vs fp32", ".4f"),
-  "weights bound": ("weights: max error / half level", ".3f"),
-  "weights rms": ("weights: relative RMS error", ".2e"),
-  "gradient bound": ("gradient: max error / half level", ".3f"),
-  "gradient rms": ("gradient: relative RMS error", ".2e"),
+} | {
+  f"{what} {measure}": (f"{what}: {title}", fmt)
+  for what in ("weights", "gradient")
+  for measure, title, fmt in _ERRORS
 }
 
 
