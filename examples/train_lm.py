@@ -128,7 +128,30 @@ def make_config(args: argparse.Namespace, multi_process: bool) -> configs.Config
   for name in ("steps", "batch_size", "seq_len", "lr"):
     if flags[name] is None:
       flags[name] = getattr(preset, name)
+  flags["microbatches"] = microbatches(args, flags["batch_size"], devices)
   return configs.Config(**(flags | {"devices": devices}))
+
+
+def microbatches(args: argparse.Namespace, batch_size: int, devices: int) -> int:
+  """``--microbatches``, or with ``--per-device-batch`` what reaches the batch on ``devices``.
+
+  Raises:
+    ValueError: if both flags are given, or no whole number of micro-batches
+      reaches the batch (``zerojax.elastic_microbatches`` says which device
+      counts do).
+  """
+  if args.per_device_batch is None:
+    return args.microbatches or 1
+  if args.microbatches is not None:
+    raise ValueError(
+      "--microbatches and --per-device-batch: pass one; --per-device-batch picks the "
+      "micro-batches that reach --batch-size on the devices there are"
+    )
+  batch_devices = configs.batch_devices(args.mesh or {"data": devices})
+  try:
+    return zerojax.elastic_microbatches(batch_size, batch_devices, args.per_device_batch)
+  except ValueError as error:
+    raise ValueError(f"--batch-size {batch_size} on {batch_devices} devices: {error}") from None
 
 
 def claim_devices(count: int, multi_process: bool) -> list[jax.Device]:
@@ -166,8 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument(
     "--microbatches",
     type=at_least(1),
-    default=1,
-    help="micro-batches accumulated per step, per device (stages 1-3)",
+    help="micro-batches accumulated per step, per device (stages 1-3; default 1)",
+  )
+  parser.add_argument(
+    "--per-device-batch",
+    type=at_least(1),
+    help="the most sequences a device takes at once; the micro-batches are then whatever "
+    "reaches --batch-size on the devices there are (zerojax.elastic_microbatches), so a run "
+    "restarted on fewer devices (python -m zerojax.launch --min-processes) keeps its batch",
   )
   parser.add_argument(
     "--prefetch",
@@ -190,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     default=True,
     help="end with the per-device memory table (compiling the stage-0 step too) and a sample; "
     "--no-report skips both, e.g. for a long run where only the checkpoints matter",
+  )
+  parser.add_argument(
+    "--log-every",
+    type=at_least(1),
+    default=50,
+    help="where the output is not a terminal (a batch job's log), print a progress line every "
+    "this many steps (and at least every minute) instead of the progress bar",
   )
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out"))
   return parser
