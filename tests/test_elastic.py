@@ -8,6 +8,7 @@ launcher gives up, naming process 1; resubmitted with ``--min-processes 1`` the 
 without it, on 1 process x 4 devices with twice the micro-batches, and finishes.
 """
 
+import io
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import zerojax
 from examples import train_lm
 from examples.lm import data as lm_data
 from tests import lm_reference
+from zerojax import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = "tests/lost_host_worker.py"
@@ -56,10 +58,13 @@ def test_a_device_count_that_cannot_reach_the_batch_is_refused_with_those_that_c
 def test_the_docs_table_of_device_counts_is_the_helpers():
   # The main job: examples/train_lm.py's default (small) model, a batch of 32 on 8 devices.
   table = re.search(r"\| devices \| micro-batches .*?\n\n", DOCS.read_text(), re.DOTALL).group(0)
-  rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
-  documented = {int(row[0]): int(row[1]) for row in rows if row[1].strip().isdigit()}
-  refused = [int(row[0]) for row in rows if not row[1].strip().isdigit()]
+  rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.split("\n")[2:-2]]
+  documented = {int(devices): int(micro) for devices, micro, _ in rows if micro.isdigit()}
+  refused = [int(devices) for devices, micro, _ in rows if not micro.isdigit()]
   assert documented == zerojax.elastic_device_counts(32, max_per_device=4)
+  for devices, micro, per_device in rows:
+    if micro.isdigit():
+      assert int(per_device) * int(devices) * int(micro) == 32, devices
   for devices in refused:
     with pytest.raises(ValueError):
       zerojax.elastic_microbatches(32, devices, 4)
@@ -106,6 +111,82 @@ def test_eight_devices_and_four_with_two_micro_batches_see_the_same_samples_ever
     assert eight.shape == four.shape == (8, 4, 32), step
     np.testing.assert_array_equal(eight, four, err_msg=f"step {step}")
   assert not np.array_equal(seen[8][0], seen[8][1])  # and the steps do differ
+
+
+def launch_code(code: str, **options) -> tuple[int, str]:
+  """``python -c code`` as 2 processes under the launcher, restarts allowed: status and messages."""
+  err = io.StringIO()
+  options = {"num_processes": 2, "max_restarts": 3, "min_processes": 1, **options}
+  status = launch.launch(
+    [sys.executable, "-c", code], stdout=io.StringIO(), stderr=err, timeout=60, **options
+  )
+  return status, err.getvalue()
+
+
+# Python run by each process: its id, its attempt, and a place to leave marks for the other.
+PREAMBLE = (
+  "import os, pathlib, signal, sys, time\n"
+  "me, attempt = os.environ['ZEROJAX_PROCESS_ID'], int(os.environ['ZEROJAX_ATTEMPT'])\n"
+)
+
+
+def test_failures_of_different_processes_or_a_preemption_between_them_do_not_shrink():
+  # Attempts 1-3 fail because of processes 1, 0, 1; attempt 4 is preempted, attempt 5 fails
+  # because of process 1 and attempt 6 succeeds: nobody ended two in a row.
+  code = PREAMBLE + (
+    "culprit = {1: '1', 2: '0', 3: '1', 5: '1'}.get(attempt)\n"
+    "sys.exit(75 if attempt == 4 else 3 if me == culprit else 0 if attempt == 6 else "
+    "time.sleep(30))\n"
+  )
+  status, err = launch_code(code, max_restarts=4)
+  assert status == 0, err
+  assert "shrinking" not in err and "counts as lost" not in err
+  assert "attempt 6: started 2 process(es)" in err
+
+
+def test_the_first_process_to_fail_is_blamed_not_the_lowest_numbered(tmp_path):
+  # Process 1 exits first; process 0 follows within milliseconds, before the launcher's next
+  # look (every 50 ms): process 1 is the one that ends both attempts, and is dropped.
+  code = PREAMBLE + (
+    f"mark = pathlib.Path({str(tmp_path)!r}) / str(attempt)\n"
+    "if attempt == 3: sys.exit(0)\n"
+    "if me == '1': mark.touch(); sys.exit(3)\n"
+    "while not mark.exists(): time.sleep(0.001)\n"
+    "time.sleep(0.005)\n"
+    "sys.exit(4)\n"
+  )
+  status, err = launch_code(code)
+  assert status == 0, err
+  assert "process 1 (pid" in err and "exited with code 3; stopping" in err
+  assert "shrinking from 2 to 1 process(es): process 1 ended attempts 1 and 2 in a row" in err
+
+
+def test_a_stopped_process_is_blamed_not_the_one_that_failed_waiting_for_it(tmp_path):
+  # Process 0 stops (a frozen host); process 1 then fails, as the JAX distributed service
+  # makes it when a peer goes silent. Process 0 ends the attempt, twice, and is dropped.
+  code = PREAMBLE + (
+    f"mark = pathlib.Path({str(tmp_path)!r}) / str(attempt)\n"
+    "if attempt == 3: sys.exit(0)\n"
+    "if me == '0': mark.touch(); os.kill(os.getpid(), signal.SIGSTOP)\n"
+    "while not mark.exists(): time.sleep(0.01)\n"
+    "time.sleep(0.3)\n"
+    "sys.exit(1)\n"
+  )
+  status, err = launch_code(code, grace_period=1)
+  assert status == 0, err
+  assert "is stopped (SIGSTOP or SIGTSTP)" in err
+  assert "shrinking from 2 to 1 process(es): process 0 ended attempts 1 and 2 in a row" in err
+
+
+def test_launcher_refuses_a_minimum_it_cannot_keep(capsys):
+  for value in ("0", "3"):
+    with pytest.raises(SystemExit):
+      launch.main(["-n", "2", "--min-processes", value, "script.py"])
+    assert "--min-processes must be between 1 and --num-processes 2, got " + value in (
+      capsys.readouterr().err
+    )
+  with pytest.raises(ValueError, match="min_processes must be between 1 and num_processes"):
+    launch.launch(["true"], num_processes=2, min_processes=3)
 
 
 def run_job(checkpoints: Path, out: Path, min_processes: int) -> tuple[int, str, float]:

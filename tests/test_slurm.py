@@ -71,12 +71,18 @@ def slurm():
 
 
 def job_env(devices_per_process: int) -> dict[str, str]:
-  """The environment srun and sbatch pass on to the tasks (sbatch's --export=ALL)."""
+  """The environment srun and sbatch pass on to the tasks (sbatch's --export=ALL).
+
+  The XLA flags are this process's (the same compiler settings, so that the same steps give
+  the same bits) with the tasks' device count instead of 8.
+  """
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
   return {
     **os.environ,
     "PYTHONPATH": str(ROOT),
     "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}",
+    "XLA_FLAGS": " ".join(flags),
   }
 
 
