@@ -61,13 +61,30 @@ def cluster_problem() -> str | None:
   return None
 
 
-@pytest.fixture(scope="module")
-def slurm():
+def require_slurm() -> None:
+  """Skips the calling test where SLURM cannot run it, saying why; under CI, fails instead."""
   problem = cluster_problem()
-  if problem and os.environ.get("CI"):
+  if problem and os.environ.get("CI", "").lower() not in ("", "0", "false"):
     pytest.fail(f"under CI the SLURM tests must run, but {problem}")
   if problem:
     pytest.skip(problem)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+  require_slurm()
+
+
+def test_without_slurm_the_tests_skip_saying_why_and_under_ci_they_fail(monkeypatch, tmp_path):
+  monkeypatch.setenv("PATH", str(tmp_path))  # no sinfo there
+  monkeypatch.delenv("CI", raising=False)
+  with pytest.raises(pytest.skip.Exception, match="sinfo is missing: SLURM is not installed"):
+    require_slurm()
+  monkeypatch.setenv("CI", "true")
+  with pytest.raises((pytest.fail.Exception, pytest.skip.Exception)) as stopped:
+    require_slurm()
+  assert stopped.type is pytest.fail.Exception  # not skipped
+  assert "under CI the SLURM tests must run, but sinfo is missing" in str(stopped.value)
 
 
 def job_env(devices_per_process: int) -> dict[str, str]:
