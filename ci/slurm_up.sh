@@ -28,8 +28,11 @@ if ! command -v slurmctld > /dev/null || ! command -v munged > /dev/null; then
   munge yourself, then run this again."
   echo "ci/slurm_up.sh: installing slurm-wlm and munge"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q > /dev/null
-  apt-get install -y -q slurm-wlm munge > /dev/null
+  mkdir -p "$DIR"
+  if ! { apt-get update -q && apt-get install -y -q slurm-wlm munge; } > "$DIR/apt.log" 2>&1; then
+    tail -n 20 "$DIR/apt.log" >&2
+    fail "apt-get could not install slurm-wlm and munge (its last lines are above)"
+  fi
 fi
 
 if [ -e "$CONF" ] && ! grep -qF "$MARK" "$CONF"; then
@@ -86,7 +89,7 @@ if ! cmp -s "$DIR/slurm.conf" "$CONF"; then
   done
 fi
 
-running /run/munge/munged.pid || munged --force
+running /run/munge/munged.pid || munged --force --log-file="$DIR/log/munged.log"
 running "$DIR/slurmctld.pid" || slurmctld
 running "$DIR/slurmd.pid" || slurmd
 
@@ -96,6 +99,8 @@ for _ in $(seq 120); do
     echo "ci/slurm_up.sh: node $HOST is $state: $(sinfo --noheader --format='%P %D %c %T')"
     exit 0
   fi
+  # A node left down or drained by an earlier run (a daemon killed with the machine) comes back.
+  case "$state" in down | drain*) scontrol update NodeName="$HOST" State=RESUME || true ;; esac
   sleep 0.5
 done
 tail -n 20 "$DIR"/log/*.log >&2 || true
