@@ -59,8 +59,9 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
-# Look for jobs to start every second (a requeued job becomes startable by itself, later).
-SchedulerParameters=bf_interval=1
+# Look for jobs to start every 1-2 s (60 by default): a requeued job becomes startable by itself,
+# some seconds after it is requeued, and nothing else would look for it.
+SchedulerParameters=bf_interval=1,sched_interval=2
 SelectTypeParameters=CR_CPU
 ReturnToService=2
 # A cancelled or requeued job's tasks get SIGTERM, then SIGKILL this many seconds later.

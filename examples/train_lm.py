@@ -30,6 +30,9 @@ On CPU the script asks JAX for ``--devices`` CPU devices (8 by default,
   python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py  # 2 processes
   python -m zerojax.launch -n 2 --devices-per-process 4 --max-restarts 3 \\
     examples/train_lm.py --checkpoint-dir ckpt --resume      # restarted after failures
+  python -m zerojax.launch -n 2 --devices-per-process 4 --max-restarts 3 --min-processes 1 \\
+    examples/train_lm.py --per-device-batch 4 --checkpoint-dir ckpt --resume  # fewer hosts
+  sbatch examples/slurm/train.sbatch                          # SLURM: one process per GPU
 
 ``--mesh`` lays the devices out over named axes: ``data`` (ZeRO shards over it),
 ``replica`` (everything replicated, the batch split: hybrid sharding) and
@@ -48,6 +51,17 @@ being stopped) every process finishes its step, all stop after the same step
 with status ``zerojax.PREEMPTED_EXIT_CODE`` (75), which ``python -m
 zerojax.launch`` answers with a restart. Under ``--resume`` the restarted run
 continues from exactly that step.
+
+Elastic batches: with ``--per-device-batch P`` the micro-batches are whatever
+reaches ``--batch-size`` with at most P sequences per device
+(``zerojax.elastic_microbatches``), so a run resumed on fewer devices (a host
+lost for good, ``python -m zerojax.launch --min-processes``) keeps its global
+batch, and a device count that cannot reach it is refused with those that can.
+Batches depend on the seed, the step and the sample's index only, never on the
+device or process count.
+
+Progress: a bar where stderr is a terminal; elsewhere (a batch job's log, the
+launcher's pipes) a plain line every ``--log-every`` steps or minute.
 
 Multi-process (one process per host or GPU): ``--coordinator``,
 ``--num-processes`` and ``--process-id`` (or the variables ``python -m
