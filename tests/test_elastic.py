@@ -75,6 +75,7 @@ def test_the_docs_table_of_device_counts_is_the_helpers():
   [
     (["--devices", "3"], "--batch-size 32 on 3 devices: a global batch of 32 cannot be split"),
     (["--microbatches", "2"], "--microbatches and --per-device-batch: pass one"),
+    (["--stage", "0", "--devices", "4"], "--per-device-batch 4 needs 2 micro-batches on 4"),
   ],
 )
 def test_train_lm_refuses_a_batch_it_cannot_keep(flags, message, capsys):

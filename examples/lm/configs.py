@@ -136,6 +136,12 @@ class Config:
 
   def _options_problem(self) -> str | None:
     """What is wrong with the stage and its options, if anything."""
+    if self.stage == 0 and self.per_device_batch and self.microbatches != 1:
+      return (
+        f"--per-device-batch {self.per_device_batch} needs {self.microbatches} micro-batches on "
+        f"{self.batch_devices} devices, and micro-batches apply to stages 1-3 (zerojax): use a "
+        "stage, more devices, or a larger --per-device-batch"
+      )
     if self.stage == 0 and (
       self.precision != "fp32" or self.microbatches != 1 or self.quantized_gradients
     ):
