@@ -30,6 +30,9 @@ On CPU the script asks JAX for ``--devices`` CPU devices (8 by default,
   python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py  # 2 processes
   python -m zerojax.launch -n 2 --devices-per-process 4 --max-restarts 3 \\
     examples/train_lm.py --checkpoint-dir ckpt --resume      # restarted after failures
+  python -m zerojax.launch -n 2 --devices-per-process 4 --max-restarts 3 --min-processes 1 \\
+    examples/train_lm.py --per-device-batch 4 --checkpoint-dir ckpt --resume  # fewer hosts
+  sbatch examples/slurm/train.sbatch                          # SLURM: one process per GPU
 
 ``--mesh`` lays the devices out over named axes: ``data`` (ZeRO shards over it),
 ``replica`` (everything replicated, the batch split: hybrid sharding) and
@@ -48,6 +51,17 @@ being stopped) every process finishes its step, all stop after the same step
 with status ``zerojax.PREEMPTED_EXIT_CODE`` (75), which ``python -m
 zerojax.launch`` answers with a restart. Under ``--resume`` the restarted run
 continues from exactly that step.
+
+Elastic batches: with ``--per-device-batch P`` the micro-batches are whatever
+reaches ``--batch-size`` with at most P sequences per device
+(``zerojax.elastic_microbatches``), so a run resumed on fewer devices (a host
+lost for good, ``python -m zerojax.launch --min-processes``) keeps its global
+batch, and a device count that cannot reach it is refused with those that can.
+Batches depend on the seed, the step and the sample's index only, never on the
+device or process count.
+
+Progress: a bar where stderr is a terminal; elsewhere (a batch job's log, the
+launcher's pipes) a plain line every ``--log-every`` steps or minute.
 
 Multi-process (one process per host or GPU): ``--coordinator``,
 ``--num-processes`` and ``--process-id`` (or the variables ``python -m
@@ -128,7 +142,30 @@ def make_config(args: argparse.Namespace, multi_process: bool) -> configs.Config
   for name in ("steps", "batch_size", "seq_len", "lr"):
     if flags[name] is None:
       flags[name] = getattr(preset, name)
+  flags["microbatches"] = microbatches(args, flags["batch_size"], devices)
   return configs.Config(**(flags | {"devices": devices}))
+
+
+def microbatches(args: argparse.Namespace, batch_size: int, devices: int) -> int:
+  """``--microbatches``, or with ``--per-device-batch`` what reaches the batch on ``devices``.
+
+  Raises:
+    ValueError: if both flags are given, or no whole number of micro-batches
+      reaches the batch (``zerojax.elastic_microbatches`` says which device
+      counts do).
+  """
+  if args.per_device_batch is None:
+    return args.microbatches or 1
+  if args.microbatches is not None:
+    raise ValueError(
+      "--microbatches and --per-device-batch: pass one; --per-device-batch picks the "
+      "micro-batches that reach --batch-size on the devices there are"
+    )
+  batch_devices = configs.batch_devices(args.mesh or {"data": devices})
+  try:
+    return zerojax.elastic_microbatches(batch_size, batch_devices, args.per_device_batch)
+  except ValueError as error:
+    raise ValueError(f"--batch-size {batch_size} on {batch_devices} devices: {error}") from None
 
 
 def claim_devices(count: int, multi_process: bool) -> list[jax.Device]:
@@ -166,8 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument(
     "--microbatches",
     type=at_least(1),
-    default=1,
-    help="micro-batches accumulated per step, per device (stages 1-3)",
+    help="micro-batches accumulated per step, per device (stages 1-3; default 1)",
+  )
+  parser.add_argument(
+    "--per-device-batch",
+    type=at_least(1),
+    help="the most sequences a device takes at once; the micro-batches are then whatever "
+    "reaches --batch-size on the devices there are (zerojax.elastic_microbatches), so a run "
+    "restarted on fewer devices (python -m zerojax.launch --min-processes) keeps its batch",
   )
   parser.add_argument(
     "--prefetch",
@@ -190,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     default=True,
     help="end with the per-device memory table (compiling the stage-0 step too) and a sample; "
     "--no-report skips both, e.g. for a long run where only the checkpoints matter",
+  )
+  parser.add_argument(
+    "--log-every",
+    type=at_least(1),
+    default=50,
+    help="where the output is not a terminal (a batch job's log), print a progress line every "
+    "this many steps (and at least every minute) instead of the progress bar",
   )
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out"))
   return parser

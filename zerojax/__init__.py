@@ -4,6 +4,7 @@ from zerojax._src.checkpoint import CheckpointManager, StateSpec, train_state_sp
 from zerojax._src.collectives import Shard, gather, remat_policy
 from zerojax._src.devices import use_cpu_devices
 from zerojax._src.distributed import gather_to_host, global_batch, initialize
+from zerojax._src.elastic import elastic_device_counts, elastic_microbatches
 from zerojax._src.estimate import (
   CommunicationEstimate,
   MemoryEstimate,
@@ -48,6 +49,8 @@ __all__ = (
   "count_collectives",
   "count_collectives_by_axes",
   "default_shard_dim",
+  "elastic_device_counts",
+  "elastic_microbatches",
   "estimate_communication",
   "estimate_memory",
   "estimate_tree_memory",

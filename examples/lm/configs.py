@@ -66,6 +66,8 @@ class Config:
     quantized_gradients: ``"int8"``, ``"int4"`` or ``None``.
     quantization_block_size: elements per scale.
     microbatches: micro-batches accumulated per step.
+    per_device_batch: the most sequences a device takes at once, if given:
+      ``microbatches`` is then what reaches ``batch_size`` on these devices.
     prefetch: layers gathered ahead of the compute by ``zerojax.scan`` (0 or 1).
     checkpoint_dir: where checkpoints go (``None``: no checkpoints).
     save_every: steps between checkpoints.
@@ -74,6 +76,7 @@ class Config:
     seed: the seed of the initial parameters and of the batches.
     eval_every: steps between validations.
     report: whether to end with the memory table and a sample.
+    log_every: steps between progress lines where the output is not a terminal.
     out: where the metrics, the loss log and the plot go.
   """
 
@@ -90,6 +93,7 @@ class Config:
   quantized_gradients: str | None
   quantization_block_size: int
   microbatches: int
+  per_device_batch: int | None
   prefetch: int
   checkpoint_dir: pathlib.Path | None
   save_every: int
@@ -98,6 +102,7 @@ class Config:
   seed: int
   eval_every: int
   report: bool
+  log_every: int
   out: pathlib.Path
 
   def __post_init__(self):
@@ -119,8 +124,24 @@ class Config:
     """The mesh axes the batch is split over."""
     return tuple(axis for axis in ("replica", "data") if axis in self.mesh_shape)
 
+  @property
+  def batch_devices(self) -> int:
+    """The devices the batch is split over: replica x data."""
+    return batch_devices(self.mesh_shape)
+
+  @property
+  def device_batch(self) -> int:
+    """The sequences one device takes in one micro-batch."""
+    return self.batch_size // (self.batch_devices * self.microbatches)
+
   def _options_problem(self) -> str | None:
     """What is wrong with the stage and its options, if anything."""
+    if self.stage == 0 and self.per_device_batch and self.microbatches != 1:
+      return (
+        f"--per-device-batch {self.per_device_batch} needs {self.microbatches} micro-batches on "
+        f"{self.batch_devices} devices, and micro-batches apply to stages 1-3 (zerojax): use a "
+        "stage, more devices, or a larger --per-device-batch"
+      )
     if self.stage == 0 and (
       self.precision != "fp32" or self.microbatches != 1 or self.quantized_gradients
     ):
@@ -153,10 +174,14 @@ class Config:
         f"{self.preset.d_model}, which tensor parallelism splits; take model= one of "
         f"{', '.join(map(str, fits))}, ..."
       )
-    batch_devices = sizes.get("replica", 1) * sizes["data"]
-    if self.batch_size % (batch_devices * self.microbatches):
+    if self.batch_size % (self.batch_devices * self.microbatches):
       return (
-        f"--batch-size {self.batch_size} must be a multiple of the {batch_devices} devices the "
-        f"batch is split over (replica x data) times --microbatches {self.microbatches}"
+        f"--batch-size {self.batch_size} must be a multiple of the {self.batch_devices} devices "
+        f"the batch is split over (replica x data) times --microbatches {self.microbatches}"
       )
     return None
+
+
+def batch_devices(mesh_shape: dict[str, int]) -> int:
+  """The devices a mesh of these axes and sizes splits the batch over: replica x data."""
+  return mesh_shape.get("replica", 1) * mesh_shape["data"]

@@ -6,6 +6,8 @@ import dataclasses
 import json
 import pathlib
 import statistics
+import sys
+import time
 from typing import Any
 
 import jax
@@ -42,30 +44,70 @@ class History:
 
 
 def describe(config: configs.Config, n_params: int, platform: str, corpus: Any) -> str:
-  """The run's first line: model, stage, devices, precision and data."""
-  mesh = ", ".join(f"{name}={size}" for name, size in (config.mesh or {}).items())
+  """The run's first line: model, stage, devices and their mesh, precision, batch and data."""
+  mesh = ", ".join(f"{name}={size}" for name, size in config.mesh_shape.items())
   quantized = {"weights": config.quantized_weights, "gradients": config.quantized_gradients}
   wire = ", ".join(f"{bits} {what}" for what, bits in quantized.items() if bits)
   return (
     f"{config.model} model: {n_params / 1e6:.2f}M params, stage {config.stage} on "
-    f"{config.devices} {platform} devices{f' (mesh {mesh})' if mesh else ''} in "
+    f"{config.devices} {platform} devices (mesh {mesh}) in "
     f"{_count(jax.process_count(), 'process', 'processes')}, {config.precision} precision"
-    f"{f' with {wire} on the wire' if wire else ''}, "
+    f"{f' with {wire} on the wire' if wire else ''}; batch {config.batch_size} = "
+    f"{config.device_batch} per device x {config.batch_devices} x "
     f"{_count(config.microbatches, 'micro-batch', 'micro-batches')}; "
     f"{len(corpus.train) / 1e6:.2f}M train bytes, {len(corpus.val) / 1e3:.0f}K validation bytes"
   )
 
 
-def progress_bar(config: configs.Config, first_step: int, *, enabled: bool) -> tqdm:
-  """The steps from ``first_step`` on, with a progress bar (shown if ``enabled``)."""
-  return tqdm(
-    range(first_step, config.steps + 1),
-    desc=f"ZeRO-{config.stage}",
-    dynamic_ncols=True,
-    initial=first_step - 1,
-    total=config.steps,
-    disable=not enabled,
-  )
+class Progress:
+  """The training's progress, printed by the leader: a bar on a terminal, plain lines elsewhere.
+
+  tqdm redraws its bar in place with carriage returns, which a terminal
+  overwrites and a file (a batch job's log, the launcher's pipe) keeps: 150 KB
+  on one line for 600 steps. So where the bar's stream (stderr) is not a
+  terminal, a plain line is printed after the first step, every
+  ``config.log_every`` steps, at least every ``LINE_SECONDS``, and after the
+  last step.
+  """
+
+  #: Where the output is not a terminal, the longest time between two lines.
+  LINE_SECONDS = 60.0
+
+  def __init__(self, config: configs.Config, first_step: int, *, enabled: bool):
+    self._config, self._first_step, self._enabled = config, first_step, enabled
+    self._bar = None
+    if enabled and sys.stderr.isatty():
+      self._bar = tqdm(
+        desc=f"ZeRO-{config.stage}",
+        dynamic_ncols=True,
+        initial=first_step - 1,
+        total=config.steps,
+      )
+    self._last_line = time.monotonic()
+
+  def step(self, step: int, stats: dict[str, Any]) -> None:
+    """Shows step ``step``, just finished, and its figures (``progress``'s)."""
+    if self._bar is not None:
+      self._bar.update()
+      self._bar.set_postfix(stats)
+      return
+    now = time.monotonic()
+    due = step in (self._first_step, self._config.steps) or step % self._config.log_every == 0
+    if self._enabled and (due or now - self._last_line >= self.LINE_SECONDS):
+      figures = ", ".join(f"{name} {value}" for name, value in stats.items())
+      print(f"step {step}/{self._config.steps}: {figures}", flush=True)
+      self._last_line = now
+
+  def write(self, line: str) -> None:
+    """Prints ``line`` (a validation's) without breaking the bar."""
+    if self._bar is not None:
+      self._bar.write(line)
+    elif self._enabled:
+      print(line, flush=True)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
 
 
 def progress(history: History, opt_state: Any, tokens: int) -> dict[str, Any]:

@@ -58,8 +58,8 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   evaluate = jax.jit(lambda params, x, y: loss(setup.gather(params), x, y))
 
   history = report.History(first_step)
-  bar = report.progress_bar(config, first_step, enabled=leader)
-  for step in bar:
+  progress = report.Progress(config, first_step, enabled=leader)
+  for step in range(first_step, config.steps + 1):
     x, y = batches.train(step)
     start = time.perf_counter()
     params, opt_state, value = compiled(params, opt_state, x, y)
@@ -71,14 +71,13 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     if checkpoints:
       save(checkpoints, mesh, step, params, opt_state, force=step == config.steps or preempted)
     if preempted:
-      bar.close()
+      progress.close()
       exit_preempted(config, checkpoints, step, say)
-    bar.set_postfix(report.progress(history, opt_state, tokens=x.size))
+    progress.step(step, report.progress(history, opt_state, tokens=x.size))
     if step % config.eval_every == 0 or step == config.steps:
       history.val_loss.append({"step": step, "loss": float(evaluate(params, *batches.validation))})
-      if leader:
-        bar.write(report.validation(history, batches.unigram_loss))
-  bar.close()
+      progress.write(report.validation(history, batches.unigram_loss))
+  progress.close()
   if checkpoints:
     checkpoints.close()  # waits for the last save
     say(f"checkpoints {checkpoints.all_steps()} in {config.checkpoint_dir}")
@@ -142,7 +141,12 @@ def resume(config: configs.Config, checkpoints, params, opt_state, say) -> tuple
     return params, opt_state, 1
   state = checkpoints.restore()
   step = int(state["step"])
-  say(f"resumed from step {step} in {config.checkpoint_dir}")
+  # The checkpoint may come from another device count (a host lost for good): say where it went.
+  mesh = ", ".join(f"{name}={size}" for name, size in config.mesh_shape.items())
+  say(
+    f"resumed from step {step} in {config.checkpoint_dir} onto mesh {mesh} ({config.devices} "
+    f"devices in {jax.process_count()} process(es), {config.microbatches} micro-batch(es))"
+  )
   return state["params"], state["opt_state"], step + 1
 
 

@@ -29,6 +29,8 @@ ATTEMPT = "ZEROJAX_ATTEMPT"
 DEFAULT_GRACE_PERIOD = 5.0
 _POLL_SECONDS = 0.05
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+#: With ``min_processes``: a process that ended this many attempts in a row counts as lost.
+DROP_AFTER = 2
 #: What gloo prints on stdout for every group of processes it connects: noise, unless asked for.
 _GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
@@ -98,11 +100,39 @@ class _InterruptError(Exception):
 
 
 class _Outcome(NamedTuple):
-  """How an attempt ended: its exit status, and whether to restart (``"failed"``,
-  ``"preempted"``) or not (``"succeeded"``, ``"timed out"``)."""
+  """How an attempt ended: its exit status, whether to restart (``"failed"``,
+  ``"preempted"``) or not (``"succeeded"``, ``"timed out"``), and for a failure
+  the process that ended it (``culprit``): one found stopped, else the first to
+  fail."""
 
   status: int
   kind: str
+  culprit: int | None = None
+
+
+class _Suspect:
+  """The process that ended the latest failed attempts, and those attempts (in a row)."""
+
+  def __init__(self):
+    self.process: int | None = None
+    self.attempts: list[int] = []
+
+  def failed(self, process: int | None, attempt: int) -> None:
+    """Attempt ``attempt`` failed because of ``process``."""
+    if process != self.process:
+      self.process, self.attempts = process, []
+    self.attempts.append(attempt)
+
+  def clear(self) -> None:
+    self.process, self.attempts = None, []
+
+  def lost(self) -> bool:
+    """Whether the process counts as lost: ``DROP_AFTER`` failed attempts in a row are its."""
+    return self.process is not None and len(self.attempts) >= DROP_AFTER
+
+  def __str__(self) -> str:
+    attempts = " and ".join(map(str, self.attempts))
+    return f"process {self.process} ended attempts {attempts} in a row, so it counts as lost"
 
 
 def launch(
@@ -111,6 +141,7 @@ def launch(
   num_processes: int,
   devices_per_process: int | None = None,
   max_restarts: int = 0,
+  min_processes: int | None = None,
   heartbeat_timeout: int | None = None,
   timeout: float | None = None,
   grace_period: float = DEFAULT_GRACE_PERIOD,
@@ -145,6 +176,19 @@ def launch(
   restarting: the machine is going away; whoever restarts the launcher
   resumes the job.
 
+  Going on with fewer processes (``min_processes``): a process that ends
+  ``DROP_AFTER`` (2) failed attempts in a row counts as lost for good (a host
+  that does not come back). The process that ends an attempt is one found
+  stopped (SIGSTOP, a frozen host), else the first to exit with a failure; an
+  attempt ended by another process, or preempted, starts the count again. The
+  group is then restarted with one process fewer (a restart like any other,
+  counted against ``max_restarts``), as long as at least ``min_processes``
+  remain; the processes are numbered from 0 again. Otherwise the launcher
+  gives up, naming the lost process. On one machine every process is alike,
+  so this plays the part of a cluster's node loss; the script must resume on
+  the smaller mesh (``examples/train_lm.py --resume --per-device-batch`` keeps
+  the global batch with more micro-batches).
+
   Args:
     command: the program and its arguments, e.g. ``[sys.executable, "train.py"]``.
     num_processes: how many processes to start.
@@ -152,6 +196,8 @@ def launch(
       (``--xla_force_host_platform_device_count``); ``None`` keeps the
       inherited ``XLA_FLAGS``.
     max_restarts: how many times to restart the group after a failure.
+    min_processes: go on without a lost process while at least this many
+      remain (``None``: never go on without one, restart the whole group).
     heartbeat_timeout: seconds after which the JAX distributed service
       declares a silent process (dead, stopped, frozen) gone and ends the
       others, which is a failure; passed to ``initialize`` as
@@ -173,7 +219,8 @@ def launch(
 
   Raises:
     ValueError: if ``num_processes``, ``devices_per_process`` or
-      ``heartbeat_timeout`` is below 1, or ``max_restarts`` below 0.
+      ``heartbeat_timeout`` is below 1, ``max_restarts`` below 0, or
+      ``min_processes`` not between 1 and ``num_processes``.
 
   Example:
     >>> import io, sys
@@ -191,6 +238,16 @@ def launch(
     0
     >>> "restarting after attempt 1 failed (restart 1 of --max-restarts 2)" in err.getvalue()
     True
+
+    Process 1 fails at every start, as a host gone for good would; the job goes on without it:
+
+    >>> code = "import os, sys; sys.exit(3 if os.environ['ZEROJAX_PROCESS_ID'] == '1' else 0)"
+    >>> launch([sys.executable, "-c", code], num_processes=2, max_restarts=2, min_processes=1,
+    ...        stderr=err)
+    0
+    >>> "shrinking from 2 to 1 process(es): process 1 ended attempts 1 and 2 in a row" in (
+    ...   err.getvalue())
+    True
   """
   if num_processes < 1:
     raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
@@ -200,6 +257,10 @@ def launch(
     raise ValueError(f"max_restarts must be 0 or more, got {max_restarts}.")
   if heartbeat_timeout is not None and heartbeat_timeout < 1:
     raise ValueError(f"heartbeat_timeout must be at least 1 second, got {heartbeat_timeout}.")
+  if min_processes is not None and not 1 <= min_processes <= num_processes:
+    raise ValueError(
+      f"min_processes must be between 1 and num_processes ({num_processes}), got {min_processes}."
+    )
   stdout = stdout or sys.stdout
   stderr = stderr or sys.stderr
   lock = threading.Lock()
@@ -213,6 +274,7 @@ def launch(
   if heartbeat_timeout is not None:
     base_env[distributed.HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
   restarts, attempt = 0, 0
+  suspect = _Suspect()
   with _signals_raise():
     while True:
       attempt += 1
@@ -226,16 +288,36 @@ def launch(
           f"{', '.join(str(p.pid) for p in group.processes)}); "
           f"{left} restart(s) after failures left."
         )
-        outcome = _wait(group.processes, deadline, timeout, grace_period, say)
+        outcome = _wait(group, deadline, timeout, grace_period, say)
         _stop(group.processes, grace_period)  # what they started and left behind
         group.join(grace_period)
         if outcome.kind == "preempted":
+          suspect.clear()
           say(
             f"attempt {attempt} was preempted (its processes saved and exited with "
             f"{preemption.PREEMPTED_EXIT_CODE}); restarting. Preemptions do not count against "
             "--max-restarts."
           )
           continue
+        if outcome.kind == "failed":
+          suspect.failed(outcome.culprit, attempt)
+        if min_processes is not None and suspect.lost():
+          if num_processes - 1 < min_processes:
+            say(
+              f"giving up: {suspect}, and without it {num_processes - 1} process(es) would "
+              f"remain, fewer than --min-processes {min_processes}; exit status {outcome.status}."
+            )
+            return outcome.status
+          if left:
+            restarts += 1
+            num_processes -= 1
+            say(
+              f"shrinking from {num_processes + 1} to {num_processes} process(es): {suspect}; "
+              f"restarting without it (restart {restarts} of --max-restarts {max_restarts}, "
+              f"--min-processes {min_processes}), the processes numbered from 0 again."
+            )
+            suspect.clear()
+            continue
         if outcome.kind == "failed" and left:
           restarts += 1
           say(
@@ -265,6 +347,9 @@ class _Group:
     self.command, self.env, self.sinks, self.lock = command, env, (stdout, stderr), lock
     self.hide = hide
     self.processes: list[subprocess.Popen] = []
+    # Process ids in the order the processes exited, as threads waiting on each saw it: two
+    # exits between two polls are still told apart (the first to die is the one to blame).
+    self.exit_order: list[int] = []
     self._readers: list[threading.Thread] = []
 
   def start(self, num_processes: int, devices_per_process: int | None) -> None:
@@ -289,6 +374,7 @@ class _Group:
         errors="replace",
       )
       self.processes.append(process)
+      threading.Thread(target=self._reap, args=(process_id, process), daemon=True).start()
       for pipe, sink in zip((process.stdout, process.stderr), self.sinks, strict=True):
         prefix = f"[p{process_id}] "
         # Daemon threads: a pipe held open by something the process left behind
@@ -298,6 +384,17 @@ class _Group:
         )
         reader.start()
         self._readers.append(reader)
+
+  def _reap(self, process_id: int, process: subprocess.Popen) -> None:
+    process.wait()
+    self.exit_order.append(process_id)
+
+  def codes(self) -> list[int | None]:
+    """Each process's return code, ``None`` while it runs (or is not reaped yet)."""
+    codes: list[int | None] = [None] * len(self.processes)
+    for process_id in list(self.exit_order):
+      codes[process_id] = self.processes[process_id].returncode
+    return codes
 
   def join(self, timeout: float) -> None:
     for reader in self._readers:
@@ -321,22 +418,18 @@ def _interrupted(processes: list[subprocess.Popen], signum: int, grace_period: f
 
 
 def _wait(
-  processes: list[subprocess.Popen],
-  deadline: float | None,
-  timeout: float | None,
-  grace_period: float,
-  say,
+  group: _Group, deadline: float | None, timeout: float | None, grace_period: float, say
 ) -> _Outcome:
   """Waits for every process to succeed, or for the first failure, preemption or the deadline."""
+  processes = group.processes
   while True:
-    codes = [process.poll() for process in processes]
-    for process_id, code in enumerate(codes):
+    codes = group.codes()
+    for process_id in list(group.exit_order):  # the first to fail, not the lowest id
+      code = codes[process_id]
       if code:
         if code == preemption.PREEMPTED_EXIT_CODE:
-          return _preempted(processes, process_id, grace_period, say)
-        _report(processes, codes, process_id, say)
-        _stop([p for p, c in zip(processes, codes, strict=True) if c is None], grace_period)
-        return _Outcome(_status(code), "failed")
+          return _preempted(group, process_id, grace_period, say)
+        return _failed(processes, codes, process_id, grace_period, say)
     if all(code == 0 for code in codes):
       return _Outcome(0, "succeeded")
     if deadline is not None and time.monotonic() > deadline:
@@ -346,30 +439,37 @@ def _wait(
     time.sleep(_POLL_SECONDS)
 
 
-def _preempted(processes: list[subprocess.Popen], first: int, grace_period: float, say) -> _Outcome:
+def _preempted(group: _Group, first: int, grace_period: float, say) -> _Outcome:
   """After process ``first`` exited preempted: do the others follow within the grace period?"""
+  processes = group.processes
   say(
     f"process {first} (pid {processes[first].pid}) {describe_exit(processes[first].returncode)}; "
     f"waiting up to {grace_period:g} s for the others to save and exit too."
   )
   deadline = time.monotonic() + grace_period
-  while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+  while time.monotonic() < deadline and None in group.codes():
     time.sleep(_POLL_SECONDS)
-  codes = [process.poll() for process in processes]
+  codes = group.codes()
   expected = (0, preemption.PREEMPTED_EXIT_CODE)
-  for process_id, code in enumerate(codes):
-    if code not in expected:
-      if code is None:
-        say(f"process {process_id} (pid {processes[process_id].pid}) did not exit in time.")
-      else:
-        _report(processes, codes, process_id, say)
-      _stop([p for p, c in zip(processes, codes, strict=True) if c is None], grace_period)
-      return _Outcome(_status(code or preemption.PREEMPTED_EXIT_CODE), "failed")
+  exited = [p for p in group.exit_order if codes[p] not in expected]
+  late = [p for p, code in enumerate(codes) if code is None]
+  if exited:
+    return _failed(processes, codes, exited[0], grace_period, say)
+  if late:
+    say(f"process {late[0]} (pid {processes[late[0]].pid}) did not exit in time.")
+    _stop([processes[p] for p in late], grace_period)
+    return _Outcome(preemption.PREEMPTED_EXIT_CODE, "failed", culprit=late[0])
   return _Outcome(preemption.PREEMPTED_EXIT_CODE, "preempted")
 
 
-def _report(processes: list[subprocess.Popen], codes: list, failed: int, say) -> None:
-  """Says which process failed and how, and which of those still running are stopped."""
+def _failed(
+  processes: list[subprocess.Popen], codes: list, failed: int, grace_period: float, say
+) -> _Outcome:
+  """Says which process failed and how, and stops the others; the attempt's ``_Outcome``.
+
+  A process found stopped is named too, and it is the culprit: the others
+  failed because it went silent (the JAX distributed service ends them).
+  """
   running = [p for p, c in enumerate(codes) if c is None]
   stopped = [p for p in running if _is_stopped(processes[p].pid)]
   note = "".join(
@@ -379,6 +479,8 @@ def _report(processes: list[subprocess.Popen], codes: list, failed: int, say) ->
     f"process {failed} (pid {processes[failed].pid}) {describe_exit(codes[failed])}{note}; "
     f"stopping the {len(running)} other running process(es)."
   )
+  _stop([processes[p] for p in running], grace_period)
+  return _Outcome(_status(codes[failed]), "failed", culprit=(stopped or [failed])[0])
 
 
 def _status(returncode: int) -> int:
@@ -501,6 +603,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     "saving) is restarted without counting",
   )
   parser.add_argument(
+    "--min-processes",
+    type=int,
+    default=None,
+    help=f"go on with fewer processes: one that ends {DROP_AFTER} failed attempts in a row "
+    "counts as lost, and the group is restarted without it while at least this many remain "
+    "(default: never, the whole group is restarted)",
+  )
+  parser.add_argument(
     "--heartbeat-timeout",
     type=int,
     default=None,
@@ -536,11 +646,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   ]:
     if value is not None and value < least:
       parser.error(f"{flag} must be at least {least}, got {value}")
+  if args.min_processes is not None and not 1 <= args.min_processes <= args.num_processes:
+    parser.error(
+      f"--min-processes must be between 1 and --num-processes {args.num_processes}, got "
+      f"{args.min_processes}"
+    )
   return launch(
     [sys.executable, args.script, *args.args],
     num_processes=args.num_processes,
     devices_per_process=args.devices_per_process,
     max_restarts=args.max_restarts,
+    min_processes=args.min_processes,
     heartbeat_timeout=args.heartbeat_timeout,
     timeout=args.timeout,
     grace_period=args.grace_period,
