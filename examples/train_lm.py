@@ -294,6 +294,12 @@ def add_precision_flags(parser: argparse.ArgumentParser) -> None:
     default=256,
     help="elements per scale of the quantized weights and gradients",
   )
+  parser.add_argument(
+    "--offload",
+    choices=("optimizer", "optimizer+master"),
+    help="keep the optimizer state (and, with --precision bf16/fp16, the fp32 master copy) in "
+    "host memory between steps (stages 1-3)",
+  )
 
 
 def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:

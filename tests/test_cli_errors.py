@@ -44,10 +44,31 @@ CASES = [
   ("train_lm", ["--stage", "0", "--precision", "bf16"], "--precision, --microbatches and"),
   ("train_lm", ["--resume"], "--resume needs --checkpoint-dir"),
   ("train_lm", ["--quantization-block-size", "3"], "--quantization-block-size 3: make it even"),
+  ("train_lm", ["--stage", "0", "--offload", "optimizer"], "--offload applies to stages 1-3"),
+  ("train_lm", ["--offload", "optimizer+master"], "under fp32 the parameters are the master"),
+  ("train_lm", ["--per-device-batch", "0"], "argument --per-device-batch: must be at least 1"),
+  ("train_lm", ["--log-every", "0"], "argument --log-every: must be at least 1, got 0"),
+  (
+    "train_lm",
+    ["--per-device-batch", "4", "--devices", "3"],
+    "--batch-size 32 on 3 devices: a global batch of 32 cannot be split",
+  ),
+  (
+    "train_lm",
+    ["--per-device-batch", "4", "--microbatches", "2"],
+    "--microbatches and --per-device-batch: pass one",
+  ),
+  (
+    "train_lm",
+    ["--per-device-batch", "4", "--stage", "0", "--devices", "4"],
+    "--per-device-batch 4 needs 2 micro-batches on 4",
+  ),
   # python -m zerojax.launch
   ("launch", ["-n", "2", "--devices-per-process", "0", "x.py"], "--devices-per-process must be"),
   ("launch", ["-n", "2", "--devices-per-process", "-1", "x.py"], "at least 1, got -1"),
   ("launch", ["-n", "0", "x.py"], "--num-processes must be at least 1, got 0"),
+  ("launch", ["-n", "2", "--min-processes", "0", "x.py"], "--min-processes must be between 1"),
+  ("launch", ["-n", "2", "--min-processes", "3", "x.py"], "and --num-processes 2, got 3"),
   # python -m zerojax.estimate
   ("estimate", ["--params", "0"], "argument --params: must be finite and above 0, got 0"),
   ("estimate", ["--params", "-1"], "argument --params: must be finite and above 0, got -1"),

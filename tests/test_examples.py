@@ -84,3 +84,10 @@ def test_train_lm_on_a_multi_axis_mesh_trains_like_a_flat_one(mesh, flat_tiny_ru
   metrics = train_lm.main([*TINY, "--steps", "4", "--mesh", mesh, "--out", str(tmp_path)])
   assert metrics["config"]["mesh"] == train_lm.parse_mesh(mesh)
   np.testing.assert_allclose(metrics["train_loss"], flat_tiny_run["train_loss"], rtol=1e-5)
+
+
+def test_train_lm_offload_changes_no_loss_and_reports_host_bytes(flat_tiny_run, tmp_path, capsys):
+  # The flat run is stage 3 in fp32: --offload optimizer moves its Adam state to host memory.
+  metrics = train_lm.main([*TINY, "--steps", "4", "--offload", "optimizer", "--out", str(tmp_path)])
+  assert metrics["train_loss"] == flat_tiny_run["train_loss"]
+  assert "optimizer state in host memory" in capsys.readouterr().out

@@ -65,6 +65,7 @@ class Config:
     quantized_weights: ``"int8"``, ``"int4"`` or ``None``.
     quantized_gradients: ``"int8"``, ``"int4"`` or ``None``.
     quantization_block_size: elements per scale.
+    offload: ``"optimizer"``, ``"optimizer+master"`` or ``None``: what lives in host memory.
     microbatches: micro-batches accumulated per step.
     per_device_batch: the most sequences a device takes at once, if given:
       ``microbatches`` is then what reaches ``batch_size`` on these devices.
@@ -92,6 +93,7 @@ class Config:
   quantized_weights: str | None
   quantized_gradients: str | None
   quantization_block_size: int
+  offload: str | None
   microbatches: int
   per_device_batch: int | None
   prefetch: int
@@ -146,6 +148,13 @@ class Config:
       self.precision != "fp32" or self.microbatches != 1 or self.quantized_gradients
     ):
       return "--precision, --microbatches and --quantized-gradients apply to stages 1-3 (zerojax)"
+    if self.stage == 0 and self.offload:
+      return "--offload applies to stages 1-3 (zerojax)"
+    if self.offload == "optimizer+master" and self.precision == "fp32":
+      return (
+        "--offload optimizer+master: under fp32 the parameters are the master copy; use "
+        "--offload optimizer, or --precision bf16"
+      )
     if self.stage != 3 and self.quantized_weights:
       return "--quantized-weights applies to stage 3, the one that gathers weights"
     if self.quantization_block_size % 2:

@@ -48,11 +48,14 @@ def describe(config: configs.Config, n_params: int, platform: str, corpus: Any) 
   mesh = ", ".join(f"{name}={size}" for name, size in config.mesh_shape.items())
   quantized = {"weights": config.quantized_weights, "gradients": config.quantized_gradients}
   wire = ", ".join(f"{bits} {what}" for what, bits in quantized.items() if bits)
+  host = {"optimizer": "optimizer state", "optimizer+master": "optimizer state and master copy"}
   return (
     f"{config.model} model: {n_params / 1e6:.2f}M params, stage {config.stage} on "
     f"{config.devices} {platform} devices (mesh {mesh}) in "
     f"{_count(jax.process_count(), 'process', 'processes')}, {config.precision} precision"
-    f"{f' with {wire} on the wire' if wire else ''}; batch {config.batch_size} = "
+    f"{f' with {wire} on the wire' if wire else ''}"
+    f"{f', {host[config.offload]} in host memory' if config.offload else ''}; "
+    f"batch {config.batch_size} = "
     f"{config.device_batch} per device x {config.batch_devices} x "
     f"{_count(config.microbatches, 'micro-batch', 'micro-batches')}; "
     f"{len(corpus.train) / 1e6:.2f}M train bytes, {len(corpus.val) / 1e3:.0f}K validation bytes"
@@ -129,13 +132,18 @@ def validation(history: History, unigram_loss: float) -> str:
   )
 
 
-def per_device_bytes(tree: Any) -> int:
-  """Bytes of ``tree`` that one device holds: the size of its shard of every leaf."""
-  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+def per_device_bytes(tree: Any, memory_kind: str = "device") -> int:
+  """Bytes of ``tree`` that one device holds in ``memory_kind``: its shard of every leaf there."""
+  return sum(
+    x.addressable_shards[0].data.nbytes
+    for x in jax.tree.leaves(tree)
+    if (x.sharding.memory_kind or "device") == memory_kind
+  )
 
 
 MEMORY_ROWS = {
   "params_and_opt_state": "params + optimizer state",
+  "in_host_memory": "  of which in host memory",
   "arguments": "step arguments",
   "outputs": "step outputs",
   "temporaries": "step temporaries",
@@ -146,7 +154,10 @@ def memory_stats(compiled: jax.stages.Compiled, params: Any, opt_state: Any) -> 
   """Per-device bytes of a compiled train step, as XLA measured them, and of its state."""
   analysis = compiled.memory_analysis()
   return {
-    "params_and_opt_state": per_device_bytes((params, opt_state)),
+    "params_and_opt_state": sum(
+      per_device_bytes((params, opt_state), kind) for kind in ("device", "pinned_host")
+    ),
+    "in_host_memory": per_device_bytes((params, opt_state), "pinned_host"),
     "arguments": analysis.argument_size_in_bytes,
     "outputs": analysis.output_size_in_bytes,
     "temporaries": analysis.temp_size_in_bytes,
@@ -157,6 +168,8 @@ def format_memory(memory: dict[str, dict[str, int]]) -> str:
   """A table of per-device MiB, one column per stage, one row per ``MEMORY_ROWS`` entry."""
   lines = [f"{'per-device memory (MiB)':<26}" + "".join(f"{stage:>10}" for stage in memory)]
   for key, label in MEMORY_ROWS.items():
+    if not any(m[key] for m in memory.values()):
+      continue  # the host-memory row, without --offload
     lines.append(f"{label:<26}" + "".join(f"{m[key] / 2**20:>10.2f}" for m in memory.values()))
   return "\n".join(lines)
 

@@ -117,6 +117,7 @@ def zero_options(config: configs.Config) -> dict[str, Any]:
     quantized_weights=config.quantized_weights,
     quantized_gradients=config.quantized_gradients,
     quantization_block_size=config.quantization_block_size,
+    offload=config.offload,
   )
 
 
