@@ -68,7 +68,7 @@ CASES = [
   ("launch", ["-n", "2", "--devices-per-process", "-1", "x.py"], "at least 1, got -1"),
   ("launch", ["-n", "0", "x.py"], "--num-processes must be at least 1, got 0"),
   ("launch", ["-n", "2", "--min-processes", "0", "x.py"], "--min-processes must be between 1"),
-  ("launch", ["-n", "2", "--min-processes", "3", "x.py"], "and --num-processes 2, got 3"),
+  ("launch", ["-n", "2", "--min-processes", "3", "x.py"], "and --num-processes (2), got 3"),
   # python -m zerojax.estimate
   ("estimate", ["--params", "0"], "argument --params: must be finite and above 0, got 0"),
   ("estimate", ["--params", "-1"], "argument --params: must be finite and above 0, got -1"),

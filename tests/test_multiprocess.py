@@ -381,7 +381,7 @@ def test_launcher_refuses_bad_restart_and_heartbeat_settings(capsys):
     with pytest.raises(SystemExit):
       launch.main(["-n", "2", flag, value, "script.py"])
     assert f"{flag} must be at least" in capsys.readouterr().err
-  with pytest.raises(ValueError, match="max_restarts must be 0 or more, got -1"):
+  with pytest.raises(ValueError, match="max_restarts must be at least 0, got -1"):
     launch.launch(["true"], num_processes=1, max_restarts=-1)
 
 

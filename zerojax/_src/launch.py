@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, TextIO
 
 from zerojax._src import distributed, preemption
@@ -249,18 +249,11 @@ def launch(
     ...   err.getvalue())
     True
   """
-  if num_processes < 1:
-    raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
-  if devices_per_process is not None and devices_per_process < 1:
-    raise ValueError(f"devices_per_process must be at least 1, got {devices_per_process}.")
-  if max_restarts < 0:
-    raise ValueError(f"max_restarts must be 0 or more, got {max_restarts}.")
-  if heartbeat_timeout is not None and heartbeat_timeout < 1:
-    raise ValueError(f"heartbeat_timeout must be at least 1 second, got {heartbeat_timeout}.")
-  if min_processes is not None and not 1 <= min_processes <= num_processes:
-    raise ValueError(
-      f"min_processes must be between 1 and num_processes ({num_processes}), got {min_processes}."
-    )
+  problem = _check(
+    num_processes, devices_per_process, max_restarts, heartbeat_timeout, min_processes
+  )
+  if problem:
+    raise ValueError(f"{problem}.")
   stdout = stdout or sys.stdout
   stderr = stderr or sys.stderr
   lock = threading.Lock()
@@ -273,68 +266,120 @@ def launch(
   base_env = dict(os.environ)
   if heartbeat_timeout is not None:
     base_env[distributed.HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
-  restarts, attempt = 0, 0
-  suspect = _Suspect()
+  policy = _Restarts(num_processes, max_restarts, min_processes, say)
+  attempt = 0
   with _signals_raise():
     while True:
       attempt += 1
       env = {**base_env, ATTEMPT: str(attempt)}
       group = _Group(command, env, stdout, stderr, lock, hide=None if verbose else _GLOO_CONNECTED)
       try:
-        group.start(num_processes, devices_per_process)
-        left = max_restarts - restarts
+        group.start(policy.num_processes, devices_per_process)
         say(
-          f"attempt {attempt}: started {num_processes} process(es) (pids "
+          f"attempt {attempt}: started {policy.num_processes} process(es) (pids "
           f"{', '.join(str(p.pid) for p in group.processes)}); "
-          f"{left} restart(s) after failures left."
+          f"{policy.left} restart(s) after failures left."
         )
         outcome = _wait(group, deadline, timeout, grace_period, say)
         _stop(group.processes, grace_period)  # what they started and left behind
         group.join(grace_period)
-        if outcome.kind == "preempted":
-          suspect.clear()
-          say(
-            f"attempt {attempt} was preempted (its processes saved and exited with "
-            f"{preemption.PREEMPTED_EXIT_CODE}); restarting. Preemptions do not count against "
-            "--max-restarts."
-          )
-          continue
-        if outcome.kind == "failed":
-          suspect.failed(outcome.culprit, attempt)
-        if min_processes is not None and suspect.lost():
-          if num_processes - 1 < min_processes:
-            say(
-              f"giving up: {suspect}, and without it {num_processes - 1} process(es) would "
-              f"remain, fewer than --min-processes {min_processes}; exit status {outcome.status}."
-            )
-            return outcome.status
-          if left:
-            restarts += 1
-            num_processes -= 1
-            say(
-              f"shrinking from {num_processes + 1} to {num_processes} process(es): {suspect}; "
-              f"restarting without it (restart {restarts} of --max-restarts {max_restarts}, "
-              f"--min-processes {min_processes}), the processes numbered from 0 again."
-            )
-            suspect.clear()
-            continue
-        if outcome.kind == "failed" and left:
-          restarts += 1
-          say(
-            f"restarting after attempt {attempt} failed (restart {restarts} of "
-            f"--max-restarts {max_restarts})."
-          )
-          continue
-        if outcome.kind == "failed" and max_restarts:
-          say(
-            f"giving up: attempt {attempt} failed and all {max_restarts} restart(s) "
-            f"(--max-restarts {max_restarts}) are used; exit status {outcome.status}."
-          )
-        return outcome.status
+        if not policy.again(attempt, outcome):
+          return outcome.status
       except _InterruptError as interrupted:
         status = _interrupted(group.processes, interrupted.signum, grace_period, say)
         group.join(grace_period)
         return status
+
+
+def _check(
+  num_processes: int,
+  devices_per_process: int | None,
+  max_restarts: int,
+  heartbeat_timeout: int | None,
+  min_processes: int | None,
+  name: Callable[[str], str] = str,
+) -> str | None:
+  """The first thing wrong with the launcher's arguments, each called ``name(argument)``."""
+  for argument, value, least in [
+    ("num_processes", num_processes, 1),
+    ("max_restarts", max_restarts, 0),
+    ("devices_per_process", devices_per_process, 1),
+    ("heartbeat_timeout", heartbeat_timeout, 1),
+  ]:
+    if value is not None and value < least:
+      return f"{name(argument)} must be at least {least}, got {value}"
+  if min_processes is not None and not 1 <= min_processes <= num_processes:
+    return (
+      f"{name('min_processes')} must be between 1 and {name('num_processes')} "
+      f"({num_processes}), got {min_processes}"
+    )
+  return None
+
+
+class _Restarts:
+  """What follows an attempt: a restart, a restart with one process fewer, or the end."""
+
+  def __init__(self, num_processes: int, max_restarts: int, min_processes: int | None, say):
+    self.num_processes = num_processes
+    self.max_restarts = max_restarts
+    self.min_processes = min_processes
+    self.restarts = 0
+    self.suspect = _Suspect()
+    self.say = say
+
+  @property
+  def left(self) -> int:
+    """Restarts after failures still allowed."""
+    return self.max_restarts - self.restarts
+
+  def again(self, attempt: int, outcome: _Outcome) -> bool:
+    """Whether to start another attempt after ``outcome`` (maybe with fewer processes)."""
+    if outcome.kind == "preempted":
+      self.suspect.clear()
+      self.say(
+        f"attempt {attempt} was preempted (its processes saved and exited with "
+        f"{preemption.PREEMPTED_EXIT_CODE}); restarting. Preemptions do not count against "
+        "--max-restarts."
+      )
+      return True
+    if outcome.kind == "failed":
+      self.suspect.failed(outcome.culprit, attempt)
+    if self.min_processes is not None and self.suspect.lost():
+      if self.num_processes - 1 < self.min_processes:
+        self.say(
+          f"giving up: {self.suspect}, and without it {self.num_processes - 1} process(es) "
+          f"would remain, fewer than --min-processes {self.min_processes}; exit status "
+          f"{outcome.status}."
+        )
+        return False
+      if self.left:
+        return self._shrink()
+    if outcome.kind == "failed" and self.left:
+      self.restarts += 1
+      self.say(
+        f"restarting after attempt {attempt} failed (restart {self.restarts} of "
+        f"--max-restarts {self.max_restarts})."
+      )
+      return True
+    if outcome.kind == "failed" and self.max_restarts:
+      self.say(
+        f"giving up: attempt {attempt} failed and all {self.max_restarts} restart(s) "
+        f"(--max-restarts {self.max_restarts}) are used; exit status {outcome.status}."
+      )
+    return False
+
+  def _shrink(self) -> bool:
+    """Restarts without the lost process."""
+    self.restarts += 1
+    self.num_processes -= 1
+    self.say(
+      f"shrinking from {self.num_processes + 1} to {self.num_processes} process(es): "
+      f"{self.suspect}; restarting without it (restart {self.restarts} of --max-restarts "
+      f"{self.max_restarts}, --min-processes {self.min_processes}), the processes numbered "
+      "from 0 again."
+    )
+    self.suspect.clear()
+    return True
 
 
 class _Group:
@@ -580,6 +625,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 
       python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py --model tiny
   """
+  parser = _parser()
+  args = parser.parse_args(argv)
+  problem = _check(
+    args.num_processes,
+    args.devices_per_process,
+    args.max_restarts,
+    args.heartbeat_timeout,
+    args.min_processes,
+    name=lambda argument: "--" + argument.replace("_", "-"),
+  )
+  if problem:
+    parser.error(problem)
+  return launch(
+    [sys.executable, args.script, *args.args],
+    num_processes=args.num_processes,
+    devices_per_process=args.devices_per_process,
+    max_restarts=args.max_restarts,
+    min_processes=args.min_processes,
+    heartbeat_timeout=args.heartbeat_timeout,
+    timeout=args.timeout,
+    grace_period=args.grace_period,
+    verbose=args.verbose,
+  )
+
+
+def _parser() -> argparse.ArgumentParser:
+  """The command line's arguments."""
   parser = argparse.ArgumentParser(
     prog="python -m zerojax.launch",
     description="Run N processes of a Python script as one multi-process JAX job on this "
@@ -637,28 +709,4 @@ def main(argv: Sequence[str] | None = None) -> int:
   )
   parser.add_argument("script", help="the Python script every process runs")
   parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
-  args = parser.parse_args(argv)
-  for flag, value, least in [
-    ("--num-processes", args.num_processes, 1),
-    ("--max-restarts", args.max_restarts, 0),
-    ("--devices-per-process", args.devices_per_process, 1),
-    ("--heartbeat-timeout", args.heartbeat_timeout, 1),
-  ]:
-    if value is not None and value < least:
-      parser.error(f"{flag} must be at least {least}, got {value}")
-  if args.min_processes is not None and not 1 <= args.min_processes <= args.num_processes:
-    parser.error(
-      f"--min-processes must be between 1 and --num-processes {args.num_processes}, got "
-      f"{args.min_processes}"
-    )
-  return launch(
-    [sys.executable, args.script, *args.args],
-    num_processes=args.num_processes,
-    devices_per_process=args.devices_per_process,
-    max_restarts=args.max_restarts,
-    min_processes=args.min_processes,
-    heartbeat_timeout=args.heartbeat_timeout,
-    timeout=args.timeout,
-    grace_period=args.grace_period,
-    verbose=args.verbose,
-  )
+  return parser
