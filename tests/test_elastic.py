@@ -131,14 +131,15 @@ def test_failures_of_different_processes_or_a_preemption_between_them_do_not_shr
 
 
 def test_the_first_process_to_fail_is_blamed_not_the_lowest_numbered(tmp_path):
-  # Process 1 exits first; process 0 follows within milliseconds, before the launcher's next
-  # look (every 50 ms): process 1 is the one that ends both attempts, and is dropped.
+  # Process 1 exits first; process 0 follows as soon as the launcher has reaped it (its
+  # /proc entry is gone), well before the launcher's next look (every 50 ms), so that the
+  # look finds both exited: process 1 is the one that ends both attempts, and is dropped.
   code = PREAMBLE + (
     f"mark = pathlib.Path({str(tmp_path)!r}) / str(attempt)\n"
     "if attempt == 3: sys.exit(0)\n"
-    "if me == '1': mark.touch(); sys.exit(3)\n"
-    "while not mark.exists(): time.sleep(0.001)\n"
-    "time.sleep(0.005)\n"
+    "if me == '1': mark.write_text(str(os.getpid())); sys.exit(3)\n"
+    "while not mark.exists() or not mark.read_text(): time.sleep(0.001)\n"
+    "while pathlib.Path('/proc', mark.read_text()).exists(): time.sleep(0.001)\n"
     "sys.exit(4)\n"
   )
   status, err = launch_code(code)

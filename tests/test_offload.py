@@ -176,6 +176,7 @@ def test_state_lives_in_host_memory_after_init_and_every_step(configuration):
   assert {x.sharding.memory_kind for x in jax.tree.leaves(result.params)} == {"device"}
 
 
+@pytest.mark.users_compiler
 @pytest.mark.parametrize("configuration", CONFIGURATIONS, ids=_id)
 def test_offload_changes_no_number(configuration):
   stage, precision, path, _ = configuration
@@ -199,8 +200,9 @@ def test_offload_changes_no_number_under_an_optimizing_compiler():
   # rounds the same way whatever the program's shape. Users compile with it: the
   # configurations whose programs differ in shape (stage 3 keeping its master
   # copy apart) run again in a process that does, and must still agree bit for bit.
-  flags = os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "")
-  environment = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": str(ROOT)}
+  test_only = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")
+  optimizing = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(test_only)]
+  environment = {**os.environ, "XLA_FLAGS": " ".join(optimizing), "PYTHONPATH": str(ROOT)}
   environment.pop("JAX_COMPILATION_CACHE_DIR")
   code = (
     "import zerojax; zerojax.use_cpu_devices(8); import tests.test_offload as t; t.master_apart()"
@@ -421,6 +423,7 @@ def trained_on(
   return np.asarray(losses), state, tx.gather(tx.master_params(params, state))
 
 
+@pytest.mark.users_compiler
 @pytest.mark.parametrize(
   ("mesh_name", "explicit", "stage", "options", "offload"),
   [

@@ -180,6 +180,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.users_compiler
 @pytest.mark.parametrize(("stage", "mesh_kind", "options"), CONFIGS, ids=str)
 def test_prefetch_changes_no_number(stage, mesh_kind, options):
   serial, serial_loss = train(stage, 0, 20, mesh_kind, **options)
