@@ -179,13 +179,14 @@ def test_the_main_job_survives_a_kill_a_preemption_a_hang_and_a_damaged_checkpoi
     stopped = int(re.search(r"\[p0\] preempted: stopped after step (\d+)", job.text()).group(1))
     assert stopped in complete_steps(checkpoints), about
 
-    # 3. SIGSTOP of process 0, and a damaged latest checkpoint.
+    # 3. SIGSTOP of process 0 as soon as attempt 3's first or second checkpoint is committed
+    # (none is in flight then: a save in flight when the process stops would commit only when
+    # the launcher lets it go, after the damage below), and a damaged latest checkpoint.
     pids = job.pids(3)
-    target = stopped + rng.randint(6, 10)  # past a multiple of 5: two checkpoints at least
-    job.wait_for(lambda: last_step(out) >= target, f"step {target} {about}")
+    target = (stopped // 5 + rng.randint(1, 2)) * 5
+    job.wait_for(lambda: target in complete_steps(checkpoints), f"checkpoint {target} {about}")
     os.kill(pids[0], signal.SIGSTOP)
     stopped_at = time.monotonic()
-    time.sleep(1)  # a save that process 0 was about to commit has committed by now
     *_, previous, damaged = complete_steps(checkpoints)
     files = [path for path in (checkpoints / str(damaged) / "state").rglob("*") if path.is_file()]
     largest = max((path for path in files if path.parent.name == "d"), key=os.path.getsize)
