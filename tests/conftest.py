@@ -89,20 +89,21 @@ def pytest_pyfunc_call(pyfuncitem):
   __tracebackhide__ = True
   marked = [i.nodeid for i in pyfuncitem.session.items if i.get_closest_marker("users_compiler")]
   ids = tuple(nodeid.removesuffix(_GROUP) for nodeid in marked)  # xdist appends the group
-  outcome, text = _in_a_child(ids)[pyfuncitem.nodeid.removesuffix(_GROUP)]
+  outcomes = _in_a_child(ids, str(pyfuncitem.config.rootpath))
+  outcome, text = outcomes[pyfuncitem.nodeid.removesuffix(_GROUP)]
   if outcome != "passed":
     pytest.fail(f"{outcome} in a process that compiles with XLA's default emitters:\n{text}")
   return True
 
 
 @functools.cache
-def _in_a_child(ids: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+def _in_a_child(ids: tuple[str, ...], root: str) -> dict[str, tuple[str, str]]:
   """Runs the tests ``ids`` in one child pytest without the older emitters; their outcomes."""
   report = os.path.join(_CACHE, f"users-compiler-{os.getpid()}.json")
   flags = [f for f in os.environ["XLA_FLAGS"].split() if "fusion_emitters" not in f]
   env = {**os.environ, _IN_CHILD: report, "XLA_FLAGS": " ".join(flags)}
-  command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "--durations=0", *ids]
-  done = subprocess.run(command, env=env, capture_output=True, text=True)
+  command = [sys.executable, "-m", "pytest", "-q", "-n", "0", *ids]
+  done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
   if not os.path.exists(report):
     raise RuntimeError(f"the child pytest reported nothing:\n{done.stdout[-3000:]}{done.stderr}")
   with open(report) as lines:
