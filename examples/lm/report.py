@@ -132,12 +132,12 @@ def validation(history: History, unigram_loss: float) -> str:
   )
 
 
-def per_device_bytes(tree: Any, memory_kind: str = "device") -> int:
-  """Bytes of ``tree`` that one device holds in ``memory_kind``: its shard of every leaf there."""
+def per_device_bytes(tree: Any, memory_kind: str | None = None) -> int:
+  """Bytes of ``tree`` that one device holds: its shard of every leaf (in ``memory_kind`` only)."""
   return sum(
     x.addressable_shards[0].data.nbytes
     for x in jax.tree.leaves(tree)
-    if (x.sharding.memory_kind or "device") == memory_kind
+    if memory_kind in (None, x.sharding.memory_kind)
   )
 
 
@@ -154,9 +154,7 @@ def memory_stats(compiled: jax.stages.Compiled, params: Any, opt_state: Any) -> 
   """Per-device bytes of a compiled train step, as XLA measured them, and of its state."""
   analysis = compiled.memory_analysis()
   return {
-    "params_and_opt_state": sum(
-      per_device_bytes((params, opt_state), kind) for kind in ("device", "pinned_host")
-    ),
+    "params_and_opt_state": per_device_bytes((params, opt_state)),
     "in_host_memory": per_device_bytes((params, opt_state), "pinned_host"),
     "arguments": analysis.argument_size_in_bytes,
     "outputs": analysis.output_size_in_bytes,
