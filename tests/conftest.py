@@ -26,6 +26,10 @@ import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when jax is imported
+# The accelerator compilers the test extra installs (tests/test_accelerators.py) log at INFO
+# that this machine has no CUDA driver each time a process loads them; the C++ logger reads
+# the level when it starts, so it is set before jax is imported, for subprocesses too.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 _IN_CHILD = "ZEROJAX_TESTS_USERS_COMPILER"  # set in the child process, to its report file
 _FAST_COMPILE = ["--xla_backend_optimization_level=0"]
 if not os.environ.get(_IN_CHILD):
