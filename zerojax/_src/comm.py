@@ -124,6 +124,17 @@ def scatter(
   than the most major moves strided blocks, and XLA lays the whole array out
   again first, a second full-size copy of the gradient.
   """
+  split = {
+    name
+    for entry in getattr(jax.typeof(x).sharding, "spec", None) or ()
+    for name in layout_lib.axes(entry or ())
+  }
+  if split:
+    # Also split over explicit mesh axes (pipeline stages): reduce each piece
+    # where it lives, manual over those axes, as loops and collectives want.
+    spec = jax.typeof(x).sharding.spec
+    each = lambda x: scatter(x, dim, axis_name, size, quantization)
+    return jax.shard_map(each, in_specs=spec, out_specs=spec, axis_names=split)(x)
   axis = x.ndim + dim
   if axis > 0 and x.ndim > 2:
     return jax.lax.map(lambda layer: scatter(layer, dim, axis_name, size, quantization), x)
@@ -257,8 +268,9 @@ def _read_fwd(group, values, sinks):
 
 def _read_bwd(group, residuals, cotangents):
   del residuals
-  zeros = tuple(jnp.zeros(c.shape, c.dtype) for c in cotangents)
-  return zeros, tuple(group.reduce_scatter(cotangents))
+  # None: zero cotangents of the values' own types. Explicit zeros would lack
+  # their varying axes (the stage axis, inside zerojax.pipeline's stages).
+  return tuple(None for _ in cotangents), tuple(group.reduce_scatter(cotangents))
 
 
 _read.defvjp(_read_fwd, _read_bwd)
