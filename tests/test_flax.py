@@ -151,9 +151,11 @@ def test_linen_zerojax_scan_matches_plain_optax(stage, mesh):
 
 
 def test_linen_zerojax_scan_gathers_one_layer_ahead(mesh):
-  loops = zerojax.loop_collectives(linen_zero(3, mesh, prefetching=True)[0])
-  assert [(loop.gathers, loop.reductions) for loop in loops] == [(1, 0), (1, 1)]
-  assert all(loop.waiting_gathers == loop.waiting_reductions == 0 for loop in loops)
+  forward, backward = zerojax.loop_collectives(linen_zero(3, mesh, prefetching=True)[0])
+  # One all-gather per sharded leaf of a layer; the backward pass gathers those its VJP reads.
+  assert forward.gathers > 0 and forward.reductions == 0
+  assert backward.reductions == forward.gathers and 0 < backward.gathers <= forward.gathers
+  assert all(loop.waiting_gathers == loop.waiting_reductions == 0 for loop in (forward, backward))
 
 
 @pytest.mark.parametrize("prefetching", [False, True], ids=["nn.scan", "zerojax.flax.scan"])
@@ -162,12 +164,10 @@ def test_linen_stage3_scan_gathers_one_layer_at_a_time(mesh, prefetching):
   model_bytes = sum(x.nbytes for x in jax.tree.leaves(linen_params()))
   # The parameters and the momentum, 1/8 each (and the batch).
   assert memory.argument_size_in_bytes < 0.3 * model_bytes
-  # A layer is 1/8 of the model. Its gather moves every leaf in one buffer that
-  # is then cut into the leaves (a second copy of the layer, for a moment): 2.2
-  # layers measured. Prefetching holds the next layer and, in the backward
-  # pass, the previous layer's gradient too: 3.9 layers. Without the
-  # checkpoint every layer would stay gathered.
-  assert memory.temp_size_in_bytes < (0.5 if prefetching else 0.35) * model_bytes
+  # A layer is 1/8 of the model: 1.3 layers measured. Prefetching holds the
+  # next layer and, in the backward pass, the previous layer's gradient too:
+  # 2.9 layers. Without the checkpoint every layer would stay gathered.
+  assert memory.temp_size_in_bytes < (0.45 if prefetching else 0.2) * model_bytes
 
 
 def test_linen_gathered_module_runs_with_mutable_batch_statistics(mesh):

@@ -1,7 +1,7 @@
 """zerojax: ZeRO stages 1, 2 and 3 for JAX, as Optax transformations."""
 
 from zerojax._src.checkpoint import CheckpointManager, StateSpec, train_state_spec
-from zerojax._src.collectives import Shard, gather, remat_policy
+from zerojax._src.collectives import Shard, except_gathered, gather, remat_policy
 from zerojax._src.devices import use_cpu_devices
 from zerojax._src.distributed import gather_to_host, global_batch, initialize
 from zerojax._src.elastic import elastic_device_counts, elastic_microbatches
@@ -54,6 +54,7 @@ __all__ = (
   "estimate_communication",
   "estimate_memory",
   "estimate_tree_memory",
+  "except_gathered",
   "export_safetensors",
   "gather",
   "gather_to_host",

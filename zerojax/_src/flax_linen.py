@@ -12,6 +12,7 @@ ahead of its compute.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -67,8 +68,10 @@ def gathered(target: Any) -> Any:
   return nn.map_variables(target, "params", trans_in_fn=collectives.gather, mutable=True)
 
 
-def remat_gathered(target: Any, **remat_kwargs: Any) -> Any:
-  """``gathered(target)`` under ``nn.remat`` with ``zerojax.remat_policy``.
+def remat_gathered(
+  target: Any, *, policy: Callable[..., bool] | None = None, **remat_kwargs: Any
+) -> Any:
+  """``gathered(target)`` under ``nn.remat``, never saving the gathered parameters.
 
   The checkpoint wraps the gather, so the backward pass gathers the module's
   parameters again instead of keeping them alive from the forward pass. Under
@@ -79,6 +82,8 @@ def remat_gathered(target: Any, **remat_kwargs: Any) -> Any:
 
   Args:
     target: a Linen ``Module`` class.
+    policy: a ``jax.checkpoint`` policy for the rest (see
+      ``zerojax.except_gathered``); by default everything else is saved.
     **remat_kwargs: other arguments of ``nn.remat`` (``prevent_cse``,
       ``static_argnums``, ``methods``).
 
@@ -100,10 +105,16 @@ def remat_gathered(target: Any, **remat_kwargs: Any) -> Any:
     >>> params["Dense_0"]["kernel"].shape
     (3, 32, 32)
   """
-  return nn.remat(gathered(target), policy=collectives.remat_policy, **remat_kwargs)
+  return nn.remat(gathered(target), policy=collectives.except_gathered(policy), **remat_kwargs)
 
 
-def scan(target: type[nn.Module], *, length: int, prefetch: int = 1) -> type[nn.Module]:
+def scan(
+  target: type[nn.Module],
+  *,
+  length: int,
+  prefetch: int = 1,
+  policy: Callable[..., bool] | None = None,
+) -> type[nn.Module]:
   """``nn.scan`` of a layer over stacked parameters, run by ``zerojax.scan``.
 
   ``zerojax.flax.scan(Block, length=n)`` is a module class that ``init`` s
@@ -124,6 +135,9 @@ def scan(target: type[nn.Module], *, length: int, prefetch: int = 1) -> type[nn.
     target: the Linen module class of one layer.
     length: the number of layers.
     prefetch: as for ``zerojax.scan``.
+    policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``
+      (``jax.checkpoint_policies.dots_saveable``, say); by default every value
+      but the gathered weights is saved.
 
   Returns:
     The module class.
@@ -165,7 +179,8 @@ def scan(target: type[nn.Module], *, length: int, prefetch: int = 1) -> type[nn.
         params, x = inputs
         return block.apply({"params": params}, carry, x)
 
-      return scan_lib.scan(layer, carry, (self.variables["params"], xs), prefetch=prefetch)
+      params = self.variables["params"]
+      return scan_lib.scan(layer, carry, (params, xs), prefetch=prefetch, policy=policy)
 
   Scanned.__name__ = Scanned.__qualname__ = f"Scan{target.__name__}"
   return Scanned

@@ -133,6 +133,7 @@ def nnx_scan(
   xs: Any = None,
   *,
   prefetch: int = 1,
+  policy: Callable[..., bool] | None = None,
 ) -> tuple[Any, Any]:
   """``zerojax.scan`` over a stack of NNX layers (one module with stacked state, from ``nnx.vmap``).
 
@@ -149,6 +150,7 @@ def nnx_scan(
     carry: the initial carry.
     xs: other per-layer inputs, each with a leading layer axis, or ``None``.
     prefetch: as for ``zerojax.scan``.
+    policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``.
 
   Returns:
     ``(carry, ys)``.
@@ -167,4 +169,4 @@ def nnx_scan(
     params, rest, x = inputs
     return f(nnx.merge(graphdef, params, rest), carry, x)
 
-  return scan_lib.scan(layer, carry, (params, rest, xs), prefetch=prefetch)
+  return scan_lib.scan(layer, carry, (params, rest, xs), prefetch=prefetch, policy=policy)

@@ -234,7 +234,7 @@ def _tally(text: str, label: Callable[[_Instruction], Hashable]) -> dict[tuple, 
           inner = per_execution(callee)
           if not any(c.count for c in inner.values()):
             continue
-          times = _trip_count(instruction, computations) if role == "body" else 1
+          times = trip_count(instruction, computations) if role == "body" else 1
           for key, collective in inner.items():
             totals[key].count += times * collective.count
             totals[key].bytes += times * collective.bytes
@@ -344,7 +344,7 @@ def parse_module(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
   return computations, entry
 
 
-def _trip_count(while_op: _Instruction, computations: dict[str, list[_Instruction]]) -> int:
+def trip_count(while_op: _Instruction, computations: dict[str, list[_Instruction]]) -> int:
   """A while loop's trip count: XLA's ``known_trip_count``, else the condition's bound."""
   known = _TRIP_COUNT.search(while_op.attributes)
   if known:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from zerojax._src import checks, collectives
+from zerojax._src import checks, comm
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import precision as precision_lib
 from zerojax._src.plans import Planner, Plans
@@ -165,11 +165,11 @@ def _difference(mesh: Mesh, plans: Plans, new_master: Any, params: Any) -> Any:
   # Pinning the master's sharding, and moving the rounded values as bits, keep
   # the compiler from replicating the master first and rounding afterwards.
   new_master = mesh_lib.constrain(mesh, new_master, plans.sharded.specs())
-  bits = plans.params.map(lambda leaf, x: collectives.as_bits(x.astype(leaf.dtype)), new_master)
+  bits = plans.params.map(lambda leaf, x: comm.as_bits(x.astype(leaf.dtype)), new_master)
   bits = mesh_lib.constrain(mesh, bits, plans.params.specs())
   return plans.params.map(
     lambda leaf, new, old, wide: (
-      collectives.from_bits(new, leaf.dtype).astype(wide.dtype) - old.astype(wide.dtype)
+      comm.from_bits(new, leaf.dtype).astype(wide.dtype) - old.astype(wide.dtype)
     ),
     bits,
     plans.to_logical(params),  # stage 3's stored shards are padded
