@@ -21,7 +21,7 @@ One process, one model, ``--devices`` forced CPU devices on one mesh axis
 
 For each setup it reports per-device persistent bytes (parameters plus
 optimizer state, from the arrays' shards), the compiled step's memory and
-collective bytes per step (``zerojax.profile``: XLA's ``memory_analysis`` and
+collective bytes per step (``zerojax.diagnostics.profile``: XLA's ``memory_analysis`` and
 the compiled HLO), and the median step time as a ratio to replicated DP, timed
 in interleaved rounds. The model (``model.py``), the setups (``setups.py``),
 the measurements (``measure.py``) and the tables (``report.py``) are shared

@@ -123,7 +123,7 @@ def collective_volume(moved: dict[str, float]) -> float:
   return sum(moved.values()) + moved.get("all-reduce", 0)
 
 
-def moved_bytes(profile: zerojax.StepProfile) -> dict[str, float]:
+def moved_bytes(profile: zerojax.diagnostics.StepProfile) -> dict[str, float]:
   """Bytes per collective kind of a profiled step."""
   return {kind: c.bytes for kind, c in profile.collectives.items()}
 
@@ -134,7 +134,7 @@ def volume_by_axis(step: jax.stages.Compiled, mesh, psi: int) -> dict[str, float
   A collective over several axes counts on each of them.
   """
   moved = {axis: 0.0 for axis in mesh.axis_names}
-  for axes, kinds in zerojax.count_collectives_by_axes(step, mesh).items():
+  for axes, kinds in zerojax.diagnostics.count_collectives_by_axes(step, mesh).items():
     volume = collective_volume({kind: c.bytes for kind, c in kinds.items()})
     for axis in axes:
       moved[axis] += volume / (4 * psi)

@@ -10,7 +10,7 @@ Two parts, each written into its own generated section of
    layer twice, forward and backward. For stages 1, 2 and 3 and each
    quantization option (none, int8 gradients, int8 weights in stage 3, int8
    both, int4 both) it reads the bytes per step of each collective kind from
-   the compiled HLO (``zerojax.count_collectives``), XLA's temporaries
+   the compiled HLO (``zerojax.diagnostics.count_collectives``), XLA's temporaries
    (``memory_analysis``) and the step time relative to the same stage
    unquantized (median of per-round ratios, interleaved rounds), checks the
    stage-3 targets (weight all-gathers, gradient reduction and the total each
@@ -425,7 +425,7 @@ def train_lm(flags: list[str], out: pathlib.Path) -> dict[str, Any]:
 def step_volume(config: model.ModelConfig, mesh, run: Run, psi: int) -> float:
   """Collective bytes per step, in Ψ, of the model's stage-3 step quantized as ``run``.
 
-  Compiled from abstract arrays (nothing runs) and read with ``zerojax.profile``;
+  Compiled from abstract arrays (nothing runs) and read with ``zerojax.diagnostics.profile``;
   an all-reduce counts twice its operand.
   """
   params, batch = model.abstract_params(config), model.abstract_batch(config, mesh)

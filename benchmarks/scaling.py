@@ -23,7 +23,7 @@ hybrid sharding, ``(replica, data)`` = (2, N/2), and tensor parallelism,
 Megatron-style (column-parallel ``qkv`` and ``up``, row-parallel ``out`` and
 ``down``), and reports each one's memory against the formula, the bytes its
 collectives move over each mesh axis (read from the compiled HLO by
-``zerojax.count_collectives_by_axes``), and its step time against replicated
+``zerojax.diagnostics.count_collectives_by_axes``), and its step time against replicated
 DP on the flat mesh, with a plot of the bytes per axis.
 
 Run (two minutes on two idle cores, five or more when other jobs share them)::

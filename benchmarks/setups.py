@@ -39,7 +39,7 @@ def use_devices(cpu_devices: int | None = None) -> list[jax.Device]:
   if cpu_devices is None:
     return jax.devices()
   jax.config.update("jax_platforms", "cpu")
-  zerojax.use_cpu_devices(cpu_devices)
+  zerojax.distributed.use_cpu_devices(cpu_devices)
   return jax.devices()[:cpu_devices]
 
 
@@ -76,9 +76,9 @@ class Setup:
       self.compiled = self.jitted.lower(self.params, self.state, *self.batch).compile()
     return self.compiled
 
-  def profile(self) -> zerojax.StepProfile:
-    """``zerojax.profile`` of the step (compiled already: nothing compiles again)."""
-    return zerojax.profile(self.jitted, self.params, self.state, *self.batch)
+  def profile(self) -> zerojax.diagnostics.StepProfile:
+    """``zerojax.diagnostics.profile`` of the step (compiled already: nothing compiles again)."""
+    return zerojax.diagnostics.profile(self.jitted, self.params, self.state, *self.batch)
 
 
 def is_abstract(tree: Any) -> bool:

@@ -55,7 +55,7 @@ import pytest  # noqa: E402
 
 import zerojax  # noqa: E402
 
-zerojax.use_cpu_devices(8)
+zerojax.distributed.use_cpu_devices(8)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -307,9 +307,9 @@ def test_a_late_sigterm_after_stopping_on_anothers_notice_does_not_end_the_save(
   previous = lambda signum, frame: calls.append(signum)
   restore = signal.signal(signal.SIGTERM, previous)
   try:
-    assert not zerojax.preemption_requested(1)
+    assert not zerojax.distributed.preemption_requested(1)
     other[0] = 1
-    assert zerojax.preemption_requested(2)
+    assert zerojax.distributed.preemption_requested(2)
     assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm  # still caught
     os.kill(os.getpid(), signal.SIGTERM)  # this process's own notice, late
     time.sleep(0.05)

@@ -151,7 +151,7 @@ def test_linen_zerojax_scan_matches_plain_optax(stage, mesh):
 
 
 def test_linen_zerojax_scan_gathers_one_layer_ahead(mesh):
-  loops = zerojax.loop_collectives(linen_zero(3, mesh, prefetching=True)[0])
+  loops = zerojax.diagnostics.loop_collectives(linen_zero(3, mesh, prefetching=True)[0])
   assert [(loop.gathers, loop.reductions) for loop in loops] == [(1, 0), (1, 1)]
   assert all(loop.waiting_gathers == loop.waiting_reductions == 0 for loop in loops)
 

@@ -351,7 +351,7 @@ def test_hybrid_sharding_sends_only_the_gradient_shard_across_replicas(stage, re
     return optax.apply_updates(params, updates), state
 
   compiled = jax.jit(step).lower(params, state, *batch_on(mesh)).compile()
-  by_axes = zerojax.count_collectives_by_axes(compiled, mesh)
+  by_axes = zerojax.diagnostics.count_collectives_by_axes(compiled, mesh)
   model_bytes = sum(x.nbytes for x in jax.tree.leaves(make_params()))
   across = {axes: kinds for axes, kinds in by_axes.items() if "replica" in axes}
   moved = {

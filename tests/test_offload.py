@@ -205,7 +205,8 @@ def test_offload_changes_no_number_under_an_optimizing_compiler():
   environment = {**os.environ, "XLA_FLAGS": " ".join(optimizing), "PYTHONPATH": str(ROOT)}
   environment.pop("JAX_COMPILATION_CACHE_DIR")
   code = (
-    "import zerojax; zerojax.use_cpu_devices(8); import tests.test_offload as t; t.master_apart()"
+    "import zerojax; zerojax.distributed.use_cpu_devices(8); "
+    "import tests.test_offload as t; t.master_apart()"
   )
   done = subprocess.run(
     [sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=600
@@ -497,13 +498,13 @@ def test_estimator_refuses_what_it_cannot_offload():
 
 
 def test_the_offloaded_master_copy_gathers_for_export():
-  # tx.gather and zerojax.gather_to_host read the master copy in host memory.
+  # tx.gather and zerojax.distributed.gather_to_host read the master copy in host memory.
   result = run(3, "bf16", "explicit", "optimizer+master")
   master = result.tx.master_params(result.params, result.state)
   assert {x.sharding.memory_kind for x in jax.tree.leaves(master)} == {HOST}
   gathered = result.tx.gather(master)
   assert {x.sharding.memory_kind for x in jax.tree.leaves(gathered)} == {"device"}
-  on_host = zerojax.gather_to_host(result.tx, master, max_piece_bytes=256)
+  on_host = zerojax.distributed.gather_to_host(result.tx, master, max_piece_bytes=256)
   assert_bit_identical(on_host, gathered)
   assert {x.dtype for x in jax.tree.leaves(on_host)} == {np.dtype("float32")}
 

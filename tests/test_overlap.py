@@ -1,6 +1,6 @@
 """``zerojax.scan``: gathers one layer ahead, reductions one layer behind, one collective each.
 
-Read from the optimized HLO (``zerojax.loop_collectives``), since on CPU the
+Read from the optimized HLO (``zerojax.diagnostics.loop_collectives``), since on CPU the
 collectives are synchronous and overlap cannot be timed.
 """
 
@@ -96,7 +96,7 @@ def compiled(stage, prefetch, microbatches=1, **options):
 
 def layer_loops(compiled_step):
   """The loops that gather or reduce (the layer loops; micro-batch loops hold them)."""
-  return [loop for loop in zerojax.loop_collectives(compiled_step) if loop.gathers]
+  return [loop for loop in zerojax.diagnostics.loop_collectives(compiled_step) if loop.gathers]
 
 
 @pytest.mark.parametrize(
@@ -131,9 +131,9 @@ def test_one_gather_and_one_reduction_per_layer_whatever_the_number_of_leaves(op
 
 
 def test_stage_2_defers_the_reduction_and_gathers_nothing():
-  loops = zerojax.loop_collectives(compiled(2, 1))
+  loops = zerojax.diagnostics.loop_collectives(compiled(2, 1))
   assert [(loop.gathers, loop.reductions, loop.waiting_reductions) for loop in loops] == [(0, 1, 0)]
-  serial = zerojax.loop_collectives(compiled(2, 0))
+  serial = zerojax.diagnostics.loop_collectives(compiled(2, 0))
   assert [(loop.reductions, loop.waiting_reductions) for loop in serial] == [(1, 1)]
 
 
@@ -148,7 +148,9 @@ def test_micro_batches_prefetch_inside_each_micro_batch():
 
 def test_the_forward_pass_hands_the_last_layer_to_the_backward_pass():
   # prefetch=0 gathers each layer once per pass; prefetch=1 keeps the last one.
-  gathers = {p: zerojax.count_collectives(compiled(3, p))["all-gather"].count for p in (0, 1)}
+  gathers = {
+    p: zerojax.diagnostics.count_collectives(compiled(3, p))["all-gather"].count for p in (0, 1)
+  }
   assert gathers[0] - gathers[1] == 1
 
 

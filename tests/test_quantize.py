@@ -273,7 +273,7 @@ def collective_bytes(mesh_name, stage, option):
   tx = meshes.make_tx(stage, mesh, **OPTIONS.get(option, {}))
   params = tx.shard(meshes.placed_params(mesh))
   compiled = grad_step(tx).lower(params, *meshes.batch_on(mesh)).compile()
-  return zerojax.count_collectives(compiled), compiled, tx
+  return zerojax.diagnostics.count_collectives(compiled), compiled, tx
 
 
 def test_stage3_moves_at_most_030x_the_fp32_bytes():
@@ -294,7 +294,7 @@ def test_stage3_moves_at_most_030x_the_fp32_bytes():
 
 def test_hybrid_sharding_quantizes_the_cross_replica_reduction():
   _, compiled, tx = collective_bytes("hsdp", 3, "int8 both")
-  by_axes = zerojax.count_collectives_by_axes(compiled, tx.mesh)
+  by_axes = zerojax.diagnostics.count_collectives_by_axes(compiled, tx.mesh)
   across = {kind: c.bytes for kind, c in by_axes[("replica",)].items() if c.bytes}
   shard_bytes = sum(x.nbytes for x in jax.tree.leaves(meshes.make_params())) / tx.num_shards
   # An all-to-all and an all-gather of int8 codes, each about a quarter of the shard.
@@ -378,7 +378,7 @@ import jax, jax.numpy as jnp, optax
 import zerojax
 from zerojax._src import distributed
 
-zerojax.use_cpu_devices(8)
+zerojax.distributed.use_cpu_devices(8)
 
 # The exit-hook shortcut gives up quietly: crashes just exit the slow way.
 hook = sys.excepthook

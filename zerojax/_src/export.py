@@ -73,7 +73,7 @@ def _master_leaves(directory: str | os.PathLike, step: int | None):
       f"exporting reads a checkpoint in one process, but this is process "
       f"{jax.process_index()} of a {jax.process_count()}-process job. Export after "
       "training, from one process: python -m zerojax.export CHECKPOINT_DIR "
-      "model.safetensors (or, inside the job, zerojax.gather_to_host(tx, "
+      "model.safetensors (or, inside the job, zerojax.distributed.gather_to_host(tx, "
       "tx.master_params(params, opt_state), process=0) for the full-precision copy)."
     )
   with (

@@ -49,7 +49,7 @@ class Collective:
     >>> import jax, jax.numpy as jnp, zerojax
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> x = jax.device_put(jnp.ones(1024), jax.NamedSharding(mesh, jax.P("data")))
-    >>> zerojax.profile(jnp.sum, x).collectives["all-reduce"]
+    >>> zerojax.diagnostics.profile(jnp.sum, x).collectives["all-reduce"]
     Collective(count=1, bytes=4)
   """
 
@@ -84,7 +84,7 @@ def count_collectives(hlo: str | jax.stages.Compiled) -> dict[str, Collective]:
 
     >>> import jax, jax.numpy as jnp, zerojax
     >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
-    >>> zerojax.count_collectives(compiled)["all-reduce"]
+    >>> zerojax.diagnostics.count_collectives(compiled)["all-reduce"]
     Collective(count=0, bytes=0)
 
     An all-gather of 8 floats to 64 floats (256 bytes), in a loop of 3:
@@ -101,7 +101,7 @@ def count_collectives(hlo: str | jax.stages.Compiled) -> dict[str, Collective]:
     ...   ROOT %w = f32[8]{0} while(%a), body=%body, backend_config={"known_trip_count":{"n":"3"}}
     ... }
     ... '''
-    >>> zerojax.count_collectives(hlo)["all-gather"]
+    >>> zerojax.diagnostics.count_collectives(hlo)["all-gather"]
     Collective(count=3, bytes=768)
   """
   totals = _tally(_text(hlo), lambda instruction: None)
@@ -162,7 +162,7 @@ def count_collectives_by_axes(
     >>> f = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=jax.P("replica"))
     >>> x = jax.device_put(jnp.ones((2, 8)), jax.NamedSharding(mesh, spec))
     >>> compiled = jax.jit(f).lower(x).compile()
-    >>> by_axes = zerojax.count_collectives_by_axes(compiled, mesh)
+    >>> by_axes = zerojax.diagnostics.count_collectives_by_axes(compiled, mesh)
     >>> list(by_axes)
     [('replica',), ('data',)]
     >>> by_axes[("data",)]["all-reduce"], by_axes[("replica",)]["all-gather"]
@@ -177,7 +177,7 @@ def count_collectives_by_axes(
     ...   ROOT %r = f32[8]{0} all-reduce(%a), replica_groups=[2,4]<=[8], to_apply=%add
     ... }
     ... '''
-    >>> zerojax.count_collectives_by_axes(hlo, mesh)[("data",)]["all-reduce"]
+    >>> zerojax.diagnostics.count_collectives_by_axes(hlo, mesh)[("data",)]["all-reduce"]
     Collective(count=1, bytes=32)
   """
   if not isinstance(mesh, jax.sharding.Mesh):

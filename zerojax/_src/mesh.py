@@ -64,10 +64,13 @@ def resolve_mesh(
   return mesh
 
 
-def entered(mesh: Mesh, *trees: Any) -> contextlib.AbstractContextManager:
-  """``jax.set_mesh(mesh)`` for an eager call, so that jit knows the devices of
-  outputs that depend on no input (such as a step counter); inside a trace
-  (where ``set_mesh`` is not allowed) nothing."""
+def set_mesh_unless_traced(mesh: Mesh, *trees: Any) -> contextlib.AbstractContextManager:
+  """``jax.set_mesh(mesh)`` for an eager call; nothing inside a trace, which forbids it.
+
+  Set, it tells jit the devices of outputs that depend on no input (such as a
+  step counter). ``trees`` are the call's arguments: a tracer among them means
+  a trace.
+  """
   return contextlib.nullcontext() if is_traced(trees) else jax.set_mesh(mesh)
 
 
