@@ -1,8 +1,9 @@
 """Replicated data parallelism, GSPMD FSDP and zerojax ZeRO 1/2/3, side by side.
 
-One process, one model, ``--devices`` forced CPU devices on one mesh axis
-``"data"``. Every setup trains the same transformer-like stack with the same
-``optax.adam`` from the same initial parameters on the same batch:
+One process, one model, ``--devices`` devices (forced CPU devices on a machine
+without accelerators) on one mesh axis ``"data"``. Every setup trains the same
+transformer-like stack with the same ``optax.adam`` from the same initial
+parameters on the same batch:
 
 * ``replicated DP``: parameters and Adam state replicated, plain
   ``jax.value_and_grad`` under ``jax.jit``, the batch sharded over ``data``;
@@ -177,7 +178,9 @@ def results_section(rows, ratios, args, argv: list[str], psi: int, clock: report
 def parse_args(argv: list[str]) -> argparse.Namespace:
   """The command-line flags."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--devices", type=int, default=8, help="forced CPU devices")
+  parser.add_argument(
+    "--devices", type=int, default=8, help="devices (faked on a machine without accelerators)"
+  )
   model.add_model_flags(parser)
   measure.add_timing_flags(parser)
   report.add_output_flags(parser)

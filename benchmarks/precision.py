@@ -1,7 +1,8 @@
 """Bytes saved by mixed precision and micro-batch accumulation, per ZeRO stage.
 
-One process, ``--devices`` forced CPU devices, the transformer stack of
-``benchmarks/model.py`` trained with ``zerojax.value_and_grad`` and Adam.
+One process, ``--devices`` devices (forced CPU devices on a machine without
+accelerators), the transformer stack of ``benchmarks/model.py`` trained with
+``zerojax.value_and_grad`` and Adam.
 For each stage and precision policy (``fp32``, ``bf16``, ``fp16``) it compiles
 the train step and reports per-device persistent bytes (parameters plus
 optimizer state, from the arrays' shards, next to
@@ -147,7 +148,9 @@ def results_section(precision_rows, accumulation_rows, args, argv, psi, clock) -
 def parse_args(argv: list[str]) -> argparse.Namespace:
   """The command-line flags."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--devices", type=int, default=8, help="forced CPU devices")
+  parser.add_argument(
+    "--devices", type=int, default=8, help="devices (faked on a machine without accelerators)"
+  )
   model.add_model_flags(parser)
   report.add_output_flags(parser)
   return parser.parse_args(argv)

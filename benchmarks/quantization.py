@@ -3,11 +3,11 @@
 Two parts, each written into its own generated section of
 ``docs/compression.md``:
 
-1. **Bytes.** One process, ``--devices`` forced CPU devices, the scanned
-   transformer of ``benchmarks/model.py`` (as in ``compare.py``) trained with
-   ``zerojax.value_and_grad``, ``zerojax.gather`` per layer in the scan and
-   ``jax.checkpoint(policy=zerojax.remat_policy)``, so stage 3 gathers every
-   layer twice, forward and backward. For stages 1, 2 and 3 and each
+1. **Bytes.** One process, ``--devices`` devices (forced CPU devices on a machine
+   without accelerators), the scanned transformer of ``benchmarks/model.py`` (as
+   in ``compare.py``) trained with ``zerojax.value_and_grad``, ``zerojax.gather``
+   per layer in the scan and ``jax.checkpoint(policy=zerojax.remat_policy)``, so
+   stage 3 gathers every layer twice, forward and backward. For stages 1, 2 and 3 and each
    quantization option (none, int8 gradients, int8 weights in stage 3, int8
    both, int4 both) it reads the bytes per step of each collective kind from
    the compiled HLO (``zerojax.diagnostics.count_collectives``), XLA's temporaries
@@ -545,7 +545,9 @@ def convergence_section(args, argv, clock, rows, plot) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
   """The command-line flags; the model defaults to train_lm's small shape, batch 16."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--devices", type=int, default=8, help="forced CPU devices")
+  parser.add_argument(
+    "--devices", type=int, default=8, help="devices (faked on a machine without accelerators)"
+  )
   model.add_model_flags(parser)
   parser.set_defaults(d_model=128, vocab=256, batch=16)
   parser.add_argument(

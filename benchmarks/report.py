@@ -99,11 +99,17 @@ def _cpu_name() -> str:
 
 def provenance(devices: int, clock: Clock) -> str:
   """When, with what and on what machine the run was made, how long it took, and the load."""
+  device = jax.devices()[0]
+  cpus = f"{len(os.sched_getaffinity(0))} CPUs ({_cpu_name()})"
+  on = (
+    f"{cpus} split into {devices} forced host devices"
+    if device.platform == "cpu"
+    else f"{devices} {device.device_kind} devices, {cpus}"
+  )
   return (
     f"Measured {datetime.date.today().isoformat()} with jax {jax.__version__}, optax "
     f"{optax.__version__}, Python {platform.python_version()}, on {platform.platform()}: "
-    f"{len(os.sched_getaffinity(0))} CPUs ({_cpu_name()}) split into {devices} forced "
-    f"host devices. The whole run took {clock.elapsed():.0f} s; the one-minute load average "
+    f"{on}. The whole run took {clock.elapsed():.0f} s; the one-minute load average "
     f"was {clock.load:.1f} at the start and {os.getloadavg()[0]:.1f} at the end."
   )
 

@@ -6,7 +6,7 @@ on the explicit path (``zerojax.value_and_grad``) and the drop-in path (plain
 takes; built from ``model.abstract_params`` and ``model.abstract_batch``, its
 arguments are ``jax.ShapeDtypeStruct`` s with their shardings, which compile
 (``Setup.compile``) but do not run. Nothing here picks a platform:
-``use_devices`` fakes CPU devices only when asked for a count.
+``use_devices`` fakes CPU devices only on a machine without accelerators.
 """
 
 from __future__ import annotations
@@ -28,19 +28,26 @@ import zerojax
 ZERO = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
 
 
-def use_devices(cpu_devices: int | None = None) -> list[jax.Device]:
-  """The devices to run on; call it before anything touches a device.
+def use_devices(count: int | None = None) -> list[jax.Device]:
+  """The first ``count`` devices of the platform JAX picks (all of them with ``None``).
 
-  Args:
-    cpu_devices: run on this many CPU devices, faked on the host (the
-      benchmarks' ``--devices``), whatever accelerators the machine has.
-      ``None``: every device of the platform JAX picks, unchanged.
+  Call it before anything touches a device. On a machine without accelerators,
+  JAX's CPU backend fakes ``count`` devices (``zerojax.distributed.use_cpu_devices``,
+  which changes only the CPU platform); on GPUs or TPUs ``count`` takes that
+  many accelerators. Nothing here picks or forces a platform.
+
+  Raises:
+    ValueError: if the platform has fewer than ``count`` devices.
   """
-  if cpu_devices is None:
-    return jax.devices()
-  jax.config.update("jax_platforms", "cpu")
-  zerojax.distributed.use_cpu_devices(cpu_devices)
-  return jax.devices()[:cpu_devices]
+  if count is not None:
+    zerojax.distributed.use_cpu_devices(count)
+  devices = jax.devices()
+  if count is not None and len(devices) < count:
+    raise ValueError(
+      f"--devices {count}, but {devices[0].platform} has {len(devices)}: pass --devices "
+      f"{len(devices)} or fewer."
+    )
+  return devices[:count]
 
 
 def flat_mesh(devices: list[jax.Device]) -> jax.sharding.Mesh:
