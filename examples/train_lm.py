@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     default=1,
     help="layers zerojax.scan gathers ahead of the compute: 1 overlaps the gathers with the "
     "compute on GPUs and TPUs; 0 serialises them, cheaper on CPU, where collectives are "
-    "synchronous (same numbers)",
+    "synchronous (the same numbers to rounding: docs/performance.md)",
   )
   add_parallelism_flags(parser)
   add_precision_flags(parser)

@@ -33,8 +33,8 @@ from jax.experimental import multihost_utils
 
 import zerojax
 from tests import models
+from tests.helpers import STAGES
 
-STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
 STEPS = 3
 
 

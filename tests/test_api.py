@@ -2,8 +2,8 @@
 
 import inspect
 import tomllib
-from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +13,9 @@ from jax.sharding import AxisType
 
 import zerojax
 from tests import models
+from tests.environment import ROOT
+from tests.helpers import ROUNDING
 
-ROOT = Path(__file__).resolve().parent.parent
 #: The names that moved out of the top level, and the namespace each lives in now.
 MOVED = {
   **dict.fromkeys(zerojax.diagnostics.__all__, zerojax.diagnostics),
@@ -71,9 +72,7 @@ def test_meshes_match_plain_optax(stage, mesh_args):
   params, batch = models.make_params(), models.make_batch()
   expected = models.reference(optax.adam(1e-2), params, batch, 2)
   tx = getattr(zerojax, f"zero{stage}")(optax.adam(1e-2), mesh=mesh, min_shard_size=1)
-  actual = models.train(tx, params, batch, 2)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6)
+  chex.assert_trees_all_close(models.train(tx, params, batch, 2), expected, **ROUNDING)
 
 
 def test_mesh_from_set_mesh():
@@ -215,8 +214,7 @@ def test_drop_in_stage3_with_padded_leaves_on_explicit_axes():
   with jax.set_mesh(mesh):  # stored (padded) params placed again inside jit
     again = jax.jit(tx.shard)(placed)
   for actual in (tx.gather(placed), tx.gather(again)):
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(plain), strict=True):
-      np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6)
+    chex.assert_trees_all_close(actual, plain, **ROUNDING)
 
 
 def test_trees_of_another_structure_raise(mesh):

@@ -10,12 +10,11 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import zerojax
 import zerojax.flax
+from tests.environment import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS / "ext"))
 

@@ -10,7 +10,6 @@ without it, on 1 process x 4 devices with twice the micro-batches, and finishes.
 
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -26,10 +25,10 @@ import pytest
 import zerojax
 from examples import train_lm
 from examples.lm import data as lm_data
-from tests import lm_reference
+from tests import environment, lm_reference
+from tests.environment import ROOT
 from zerojax import launch
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = "tests/lost_host_worker.py"
 # Where the docs show which device counts reach the main job's batch.
 DOCS = ROOT / "docs" / "fault_tolerance.md"
@@ -182,7 +181,7 @@ def run_job(checkpoints: Path, out: Path, min_processes: int) -> tuple[int, str,
       *("--save-every", "5", "--resume", "--out", str(out)),
     ],
     cwd=ROOT,
-    env={**os.environ, "PYTHONPATH": str(ROOT)},
+    env=environment.subprocess_env(),
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,

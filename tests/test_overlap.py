@@ -6,6 +6,7 @@ collectives are synchronous and overlap cannot be timed.
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from jax.sharding import AxisType
 
 import zerojax
+from tests.helpers import ROUNDING, rounding
 
 LAYERS, D, F = 5, 40, 56
 LEAVES_PER_LAYER = 6
@@ -182,14 +184,14 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.users_compiler
 @pytest.mark.parametrize(("stage", "mesh_kind", "options"), CONFIGS, ids=str)
-def test_prefetch_changes_no_number(stage, mesh_kind, options):
-  serial, serial_loss = train(stage, 0, 20, mesh_kind, **options)
-  prefetched, loss = train(stage, 1, 20, mesh_kind, **options)
-  assert loss == pytest.approx(serial_loss, rel=1e-5)
-  for a, b in zip(jax.tree.leaves(prefetched), jax.tree.leaves(serial), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+def test_prefetch_changes_no_number_beyond_rounding(stage, mesh_kind, options):
+  # The prefetching loop is another program than prefetch=0's, which XLA may fuse
+  # and round otherwise: after 20 steps the two agree to the rounding of their
+  # compute dtype (docs/performance.md).
+  serial = train(stage, 0, 20, mesh_kind, **options)
+  prefetched = train(stage, 1, 20, mesh_kind, **options)
+  chex.assert_trees_all_close(prefetched, serial, **rounding(options.get("precision")))
 
 
 def test_prefetch_changes_no_number_beyond_quantization():
@@ -222,8 +224,7 @@ def test_prefetch_trains_like_plain_optax():
     updates, state = reference.update(grad(params, *batch), state, params)
     params = optax.apply_updates(params, updates)
   trained, _ = train(3, 1, 3)
-  for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(params), strict=True):
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+  chex.assert_trees_all_close(trained, params, **ROUNDING)
 
 
 def test_temporaries_grow_by_at_most_two_layers():

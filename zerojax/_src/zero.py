@@ -460,7 +460,8 @@ def zero3(
       too, under a precision policy with a lower compute dtype: stages 1 and
       2 keep it apart from their compute-dtype parameters already; stage 3
       then keeps it apart as well, and stores its shards in the compute
-      dtype. Numbers do not change. Raises on a platform without
+      dtype. Numbers do not change beyond rounding (another program, which
+      XLA may fuse otherwise; docs/offload.md). Raises on a platform without
       ``pinned_host`` memory. ``None`` by default; see docs/offload.md.
 
   Returns:
