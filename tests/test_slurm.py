@@ -1,4 +1,4 @@
-"""SLURM for real: srun and sbatch on the one-node cluster that ci/slurm_up.sh stands up.
+"""SLURM for real: srun and sbatch on the one-node cluster that .ci/slurm_up.sh stands up.
 
 1. ``srun -n 2 python examples/train_lm.py --detect-cluster`` (2 processes x 4 CPU devices;
    JAX reads SLURM_* itself) trains like 1 process x 8 devices.
@@ -48,7 +48,7 @@ JOB_FLAGS = [
 def cluster_problem() -> str | None:
   """Why the SLURM tests cannot run here, or ``None``."""
   if shutil.which("sinfo") is None:
-    return "sinfo is missing: SLURM is not installed (as root, ci/slurm_up.sh stands one up)"
+    return "sinfo is missing: SLURM is not installed (as root, .ci/slurm_up.sh stands one up)"
   done = subprocess.run(
     ["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True, timeout=60
   )
@@ -56,7 +56,7 @@ def cluster_problem() -> str | None:
   if done.returncode or not {"idle", "mixed", "allocated"} & set(states):
     return (
       f"SLURM does not answer with a usable node (sinfo: {done.stdout.strip() or 'nothing'}; "
-      f"{done.stderr.strip()}); as root, ci/slurm_up.sh starts it"
+      f"{done.stderr.strip()}); as root, .ci/slurm_up.sh starts it"
     )
   return None
 

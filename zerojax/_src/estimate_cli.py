@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,7 @@ def state_bytes_per_param(optimizer_name: str, dtype: str, shape=(4096, 4096)) -
     8.0
   """
   params = {"w": jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))}
-  factory = getattr(optax, optimizer_name, None)
+  factory: Any = getattr(optax, optimizer_name, None)
   try:
     optimizer = factory(1e-3)
     per_device = estimate_tree_memory(params, optimizer, num_devices=1, stage=0)

@@ -24,6 +24,7 @@ import os
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -49,7 +50,7 @@ _SAFETENSORS_DTYPES = {
 def full_precision(dtype: np.dtype) -> np.dtype:
   """float32 for floating dtypes narrower than it; other dtypes unchanged."""
   dtype = np.dtype(dtype)
-  if jax.dtypes.issubdtype(dtype, np.floating) and dtype.itemsize < 4:
+  if jnp.issubdtype(dtype, np.floating) and dtype.itemsize < 4:
     return np.dtype(np.float32)
   return dtype
 

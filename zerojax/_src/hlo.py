@@ -104,7 +104,7 @@ def count_collectives(hlo: str | jax.stages.Compiled) -> dict[str, Collective]:
     >>> zerojax.diagnostics.count_collectives(hlo)["all-gather"]
     Collective(count=3, bytes=768)
   """
-  totals = _tally(_text(hlo), lambda instruction: None)
+  totals = _tally(text_of(hlo), lambda instruction: None)
   return {kind: totals.get((None, kind), Collective()) for kind in KINDS}
 
 
@@ -185,7 +185,7 @@ def count_collectives_by_axes(
       f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}; pass the "
       "mesh the program was compiled over."
     )
-  text = _text(hlo)
+  text = text_of(hlo)
   coordinates = _device_coordinates(hlo, text, mesh)
 
   def spanned_axes(instruction: _Instruction) -> tuple[int, ...]:
@@ -204,8 +204,12 @@ def count_collectives_by_axes(
   }
 
 
-def _text(hlo: str | jax.stages.Compiled) -> str:
-  return hlo if isinstance(hlo, str) else hlo.as_text()
+def text_of(hlo: str | jax.stages.Compiled) -> str:
+  """The HLO text of a compiled program (or ``hlo`` itself, given text)."""
+  text = hlo if isinstance(hlo, str) else hlo.as_text()
+  if text is None:
+    raise ValueError("this compiled program has no HLO text to read; pass compiled.as_text().")
+  return text
 
 
 def _tally(text: str, label: Callable[[_Instruction], Hashable]) -> dict[tuple, Collective]:
@@ -399,8 +403,9 @@ def _device_coordinates(
     )
   positions = {device.id: position for position, device in enumerate(mesh.devices.flat)}
   order = list(range(mesh.size))
-  if not isinstance(hlo, str):
-    devices = hlo.runtime_executable().local_devices()
+  executable = None if isinstance(hlo, str) else hlo.runtime_executable()
+  if executable is not None:
+    devices = executable.local_devices()
     if len(devices) == mesh.size:  # one process sees them all: use the program's own order
       outside = sorted(d.id for d in devices if d.id not in positions)
       if outside:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.tree_util import PyTreeDef
 
 #: Leaves with fewer elements than this stay replicated by default: sharding
 #: them saves almost nothing and costs one more collective each.
@@ -82,7 +83,7 @@ class LeafLayout(NamedTuple):
 
   def pad(self, x: jax.Array) -> jax.Array:
     """Appends zeros along ``dim`` (a no-op when no padding is needed)."""
-    if not self.padding:
+    if self.dim is None or not self.padding:
       return x
     widths = [(0, 0)] * x.ndim
     widths[self.dim] = (0, self.padding)
@@ -90,7 +91,7 @@ class LeafLayout(NamedTuple):
 
   def unpad(self, x: jax.Array) -> jax.Array:
     """Drops the padding along ``dim`` (a no-op when there is none)."""
-    if not self.padding:
+    if self.dim is None or not self.padding:
       return x
     return jax.lax.slice_in_dim(x, 0, self.shape[self.dim], axis=x.ndim + self.dim)
 
@@ -115,7 +116,7 @@ class Layout(NamedTuple):
     {'b': P(), 'w': P(None, 'data')}
   """
 
-  treedef: jax.tree_util.PyTreeDef
+  treedef: PyTreeDef  # pyright: ignore[reportInvalidTypeForm] (jax declares it a variable)
   leaves: tuple[LeafLayout, ...]
 
   def tree(self) -> Any:

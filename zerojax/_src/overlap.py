@@ -96,8 +96,7 @@ def loop_collectives(hlo: str | jax.stages.Compiled) -> list[LoopCollectives]:
     ...   f.lower(jnp.ones((3, 16, 16)), jnp.ones((4, 16))).compile())]
     [(1, 1)]
   """
-  text = hlo if isinstance(hlo, str) else hlo.as_text()
-  computations, _ = hlo_lib.parse_module(text)
+  computations, _ = hlo_lib.parse_module(hlo_lib.text_of(hlo))
 
   @functools.cache
   def computes(name: str) -> bool:
@@ -109,7 +108,10 @@ def loop_collectives(hlo: str | jax.stages.Compiled) -> list[LoopCollectives]:
     for instruction in instructions:
       if instruction.opcode != "while":
         continue
-      body = re.search(r"body=%?([\w.\-]+)", instruction.attributes).group(1)
+      body = re.search(r"body=%?([\w.\-]+)", instruction.attributes)
+      if body is None:
+        raise ValueError(f"a while loop without a body in the HLO: {instruction}")
+      body = body.group(1)
       found = _analyse(body, computations[body], computes)
       if found.gathers or found.reductions:
         loops.append(found)

@@ -76,9 +76,14 @@ def profile(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepProfile:
     >>> report.argument_bytes, report.collectives["all-gather"].count
     (262144, 0)
   """
-  jitted = step if hasattr(step, "lower") else jax.jit(step)
+  jitted: Any = step if hasattr(step, "lower") else jax.jit(step)
   compiled = jitted.lower(*args, **kwargs).compile()
   memory = compiled.memory_analysis()
+  if memory is None:
+    raise ValueError(
+      f"the {compiled.runtime_executable().client.platform} backend reports no memory analysis "
+      "for this step, so it cannot be profiled: profile it on CPU, GPU or TPU."
+    )
   peak = (
     memory.argument_size_in_bytes
     + memory.output_size_in_bytes

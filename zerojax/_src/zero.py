@@ -501,4 +501,4 @@ def _transformation(
       f"the optax optimizer once, e.g. zerojax.zero{stage}(optax.adamw(1e-3), mesh=mesh)."
     )
   optimizer = ShardedOptimizer(settings_lib.resolve(stage, inner, **options))
-  return ZeroTransformation(optimizer.init, optimizer.update)
+  return ZeroTransformation(optimizer.init, optimizer.update)  # pyright: ignore[reportArgumentType]
