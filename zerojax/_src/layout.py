@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jax.tree_util import PyTreeDef
 
 #: Leaves with fewer elements than this stay replicated by default: sharding
 #: them saves almost nothing and costs one more collective each.
@@ -116,7 +115,7 @@ class Layout(NamedTuple):
     {'b': P(), 'w': P(None, 'data')}
   """
 
-  treedef: PyTreeDef  # pyright: ignore[reportInvalidTypeForm] (jax declares it a variable)
+  treedef: jax.tree_util.PyTreeDef  # pyright: ignore[reportInvalidTypeForm] (a variable in jax)
   leaves: tuple[LeafLayout, ...]
 
   def tree(self) -> Any:
