@@ -137,7 +137,7 @@ def measure(target, build):
     "temporaries": memory.temp_size_in_bytes,
     "loops": [dataclasses.asdict(loop) for loop in zerojax.diagnostics.loop_collectives(compiled)],
   }
-  if deviceless.target(target).platform == "cuda":
+  if deviceless.find_target(target).platform == "cuda":
     estimate = schedule.scheduler_estimate(log[0], compiled)
     report["cycles"] = estimate.cycles
     report["loop_waiting"] = [loop.waiting for loop in estimate.loops]

@@ -14,7 +14,6 @@ from the log ``capture_stderr`` collected meanwhile. See docs/accounting.md
 and docs/performance.md.
 """
 
-from zerojax._src.deviceless import TARGETS as deviceless_targets
 from zerojax._src.deviceless import capture_stderr
 from zerojax._src.deviceless import environment as deviceless_environment
 from zerojax._src.deviceless import mesh as deviceless_mesh
@@ -34,7 +33,6 @@ __all__ = (
   "count_collectives_by_axes",
   "deviceless_environment",
   "deviceless_mesh",
-  "deviceless_targets",
   "loop_collectives",
   "profile",
   "scheduler_estimate",
