@@ -85,6 +85,8 @@ GPU_FLAGS = {
   "pipelined all-gather and reduce-scatter": "--xla_gpu_enable_pipelined_all_gather=true "
   "--xla_gpu_enable_pipelined_reduce_scatter=true",
   "while-loop double buffering": "--xla_gpu_enable_while_loop_double_buffering=true",
+  "overlap limit 2 and double buffering": "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
+  " --xla_gpu_enable_while_loop_double_buffering=true",
 }
 
 
@@ -196,6 +198,7 @@ def rows(results: dict[str, Any], config: mlp.MlpConfig) -> list[dict[str, Any]]
     }
     if "cycles" in r:
       row |= {
+        "cycles": r["cycles"] / 1000,
         "vs fsdp": r["cycles"] / fsdp["cycles"],
         "waiting": r["wasted"] / r["cycles"],
         "loop waiting": ", ".join(f"{w:.0%}" for w in r["loop waiting"]) or "-",
@@ -211,7 +214,8 @@ COLUMNS = {
   "args": ("arguments MiB", ".0f"),
   "temp": ("temporaries MiB", ".0f"),
   "layers": ("temp. - FSDP's (layers)", "+.2f"),
-  "vs fsdp": ("XLA's estimate vs FSDP", ".2f"),
+  "cycles": ("XLA's estimate (k)", ".1f"),
+  "vs fsdp": ("vs FSDP", ".2f"),
   "waiting": ("waiting (step)", ".0%"),
   "loop waiting": ("waiting (layer loops)", "s"),
   "loops": ("overlapped/collectives per loop", "s"),
@@ -219,7 +223,7 @@ COLUMNS = {
 
 
 def table(results: dict[str, Any], config: mlp.MlpConfig, gpu: bool) -> str:
-  keys = [k for k in COLUMNS if gpu or k not in ("vs fsdp", "waiting", "loop waiting")]
+  keys = [k for k in COLUMNS if gpu or k not in ("cycles", "vs fsdp", "waiting", "loop waiting")]
   found = rows(results, config)
   for row in found:
     for key in keys:
