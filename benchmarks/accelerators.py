@@ -85,8 +85,10 @@ GPU_FLAGS = {
   "pipelined all-gather and reduce-scatter": "--xla_gpu_enable_pipelined_all_gather=true "
   "--xla_gpu_enable_pipelined_reduce_scatter=true",
   "while-loop double buffering": "--xla_gpu_enable_while_loop_double_buffering=true",
-  "overlap limit 2 and double buffering": "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
-  " --xla_gpu_enable_while_loop_double_buffering=true",
+  "overlap limit 2 and double buffering": (
+    "--xla_gpu_experimental_parallel_collective_overlap_limit=2 "
+    "--xla_gpu_enable_while_loop_double_buffering=true"
+  ),
 }
 
 
