@@ -231,7 +231,7 @@ def open_shards(shards: list[Shard]) -> list[jax.Array]:
   if shards[0].sink is None:
     fulls = comm.gather(group, values)
   else:
-    fulls = comm.read(group, values, [shard.sink for shard in shards])
+    fulls = comm.read(group, values, [shard.sink for shard in shards if shard.sink is not None])
   return [checkpoint_name(full, GATHERED) for full in fulls]
 
 

@@ -60,7 +60,7 @@ class Target:
     _check_environment(self)
     from jax.experimental import topologies
 
-    if self.platform == "cuda":
+    if self.description is not None:  # a GPU
       config = (_DESCRIPTIONS / self.description).read_text()
       topology = topologies.get_topology_desc(
         platform="cuda", topology=self.topology, target_config=config
@@ -127,8 +127,7 @@ def environment(target: str, *, scheduler_log: bool = True, xla_flags: str = "")
     >>> env["CUDA_VISIBLE_DEVICES"], env["XLA_FLAGS"]
     ('-1', '--xla_gpu_enable_triton_gemm=false --xla_dump_to=/tmp/hlo')
   """
-  target = find_target(target)
-  if target.platform == "cuda":
+  if find_target(target).platform == "cuda":
     env = {
       "JAX_PLATFORMS": "cuda,cpu",
       "CUDA_VISIBLE_DEVICES": "-1",  # there is no GPU to find
@@ -146,7 +145,7 @@ def environment(target: str, *, scheduler_log: bool = True, xla_flags: str = "")
 
 
 def _check_environment(target: Target) -> None:
-  needed = environment(target, scheduler_log=False).items()
+  needed = environment(target.name, scheduler_log=False).items()
   missing = {k: v for k, v in needed if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
   wrong = sorted(k for k, v in missing.items() if os.environ.get(k) != v)
   if wrong:
@@ -200,11 +199,10 @@ def mesh(
       compiled = jax.jit(step).lower(params, ...).compile()
       compiled.memory_analysis().temp_size_in_bytes  # what an H100 would need
   """
-  target = find_target(target)
-  devices = target.devices()
+  devices = find_target(target).devices()
   if math.prod(shape) != len(devices):
     raise ValueError(
-      f"a mesh of shape {shape} needs {math.prod(shape)} devices; {target.name} has "
+      f"a mesh of shape {shape} needs {math.prod(shape)} devices; {target} has "
       f"{len(devices)}: pass a shape whose product is {len(devices)}."
     )
   return Mesh(np.array(devices).reshape(shape), axis_names, axis_types=axis_types)
