@@ -1,6 +1,11 @@
 """The memory and communication estimators, their command line, and the step profiler."""
 
+import contextlib
 import functools
+import io
+import pathlib
+import re
+import shlex
 import sys
 
 import jax
@@ -127,6 +132,37 @@ def test_command_line_reports_communication_with_and_without_quantization():
   )
   tensor = estimate_cli.main(["--params", "7.5e9", "--tensor-parallel", "2"])
   assert "not estimated with tensor parallelism" in tensor
+
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+# A documented run of the command line: a ```text block that starts with the command, then its
+# output; "..." as the first output line shows only the output's end.
+COMMAND_BLOCK = re.compile(
+  r"```text\n\$ python -m zerojax\.estimate ([^\n]*)\n(.*?)\n```", flags=re.DOTALL
+)
+DOCUMENTED_RUNS = [
+  (page.name, *match.groups())
+  for page in sorted(DOCS.glob("*.md"))
+  for match in COMMAND_BLOCK.finditer(page.read_text())
+]
+
+
+def test_the_docs_show_command_line_runs():
+  assert {page for page, *_ in DOCUMENTED_RUNS} == {"accounting.md"}
+  assert len(DOCUMENTED_RUNS) >= 4
+
+
+@pytest.mark.parametrize(
+  "page, arguments, shown", DOCUMENTED_RUNS, ids=[f"{p}:{a}" for p, a, _ in DOCUMENTED_RUNS]
+)
+def test_documented_command_line_output_is_what_it_prints(page, arguments, shown):
+  with contextlib.redirect_stdout(io.StringIO()):
+    printed = estimate_cli.main(shlex.split(arguments)).splitlines()
+  shown = shown.splitlines()
+  if shown[0] == "...":
+    shown = shown[1:]
+    printed = printed[len(printed) - len(shown) :]
+  assert shown == printed, f"{page}: paste the output of python -m zerojax.estimate {arguments}"
 
 
 def test_communication_estimate_arguments_are_checked():
