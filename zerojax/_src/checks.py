@@ -58,6 +58,29 @@ def on_mesh(tree: Any, settings: Settings, what: str, fix: str) -> None:
     )
 
 
+def in_device_memory(state: Any, settings: Settings) -> None:
+  """Raises if a leaf of ``state`` (a ``ZeroState``) is in host memory where ``settings`` keep it
+  in device memory (a state made with ``offload=``, given to a transformation without)."""
+  for name in state._fields:
+    if name in settings.offload.fields:
+      continue
+    for path, x in jax.tree_util.tree_flatten_with_path(getattr(state, name))[0]:
+      if isinstance(x, jax.core.Tracer):
+        in_host = jax.typeof(x).memory_space == jax.memory.Space.Host
+      else:
+        in_host = getattr(getattr(x, "sharding", None), "memory_kind", None) in _HOST_KINDS
+      if in_host:
+        raise ValueError(
+          f"opt_state.{name}{jax.tree_util.keystr(path)} is in host memory, but this "
+          f"transformation (offload={settings.offload.mode!r}) keeps it in device memory: "
+          "update the state with the transformation that made it (the same offload=), or "
+          "bring it to device memory first: jax.device_put(opt_state, tx.state_shardings(params))."
+        )
+
+
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
 def _shown(mesh: Any) -> str:
   axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape_tuple)
   return f"a mesh of {{{axes}}}"

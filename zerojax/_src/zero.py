@@ -157,11 +157,11 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     constraint.
     """
     plans = self._optimizer.plans(params)
+    store = lambda tree: plans.as_stored(plans.params.map(_cast, tree))
     if mesh_lib.is_traced(params):
-      store = lambda tree: plans.params.map(_stored, plans.to_logical(tree))
       return mesh_lib.global_view(self.mesh, store, plans.params.specs())(params)
     place = lambda leaf, x: jax.device_put(x, NamedSharding(self.mesh, leaf.partition_spec))
-    return plans.params.map(lambda leaf, x: place(leaf, _stored(leaf, x)), plans.to_logical(params))
+    return plans.params.map(place, store(params))
 
   def gather(self, params: optax.Params) -> optax.Params:
     """Full, unpadded parameters, replicated over the data axis (for evaluation and export).
@@ -259,9 +259,9 @@ def unwrap(tx: Any) -> ShardedOptimizer:
   )
 
 
-def _stored(leaf: layout_lib.LeafLayout, x: Any) -> Any:
-  """A leaf cast to its stored dtype and padded (host arrays stay on the host)."""
-  return leaf.pad(x if np.dtype(x.dtype) == leaf.dtype else x.astype(leaf.dtype))
+def _cast(leaf: layout_lib.LeafLayout, x: Any) -> Any:
+  """A leaf cast to its stored dtype (host arrays stay on the host)."""
+  return x if np.dtype(x.dtype) == leaf.dtype else x.astype(leaf.dtype)
 
 
 _ARGS_DOC = """
