@@ -9,7 +9,7 @@ save the stage-3 state to ``OUT/checkpoint`` and restore the one in
 on a (replica, data) mesh whose replicas are the processes (one "node" each),
 and stage 3 there with int8-quantized communication, and with its optimizer
 state in host memory;
-provoke ``global_batch``'s errors. Every process writes
+provoke ``global_batch``'s errors, and ``tx.shard``'s for models that differ. Every process writes
 what it saw to ``OUT/p<process id>.npz`` and ``.json``. The test runs the same
 function in its own single process for the comparison. ``die``: train until
 process 1 kills itself with SIGKILL. ``raise``: process 1 raises at step 2.
@@ -147,7 +147,8 @@ def train_hybrid(report) -> dict:
 
 
 def batch_errors(mesh):
-  """The messages of ``global_batch`` for rows that do not divide, and for processes that differ."""
+  """The messages of ``global_batch`` for rows that do not divide, and for processes that differ;
+  and of ``tx.shard`` for processes whose models differ."""
   errors = {}
   rows = jax.local_device_count()
   cases = {"indivisible": np.zeros((rows + 1, 3), np.float32)}
@@ -158,6 +159,13 @@ def batch_errors(mesh):
       zerojax.global_batch(local, mesh)
     except ValueError as error:
       errors[name] = str(error)
+  if jax.process_count() > 1:
+    try:
+      zerojax.zero3(optax.sgd(0.1), mesh=mesh).shard(
+        {"w": np.zeros((4, 1024 * (1 + jax.process_index())), np.float32)}
+      )
+    except ValueError as error:
+      errors["models"] = str(error)
   return errors
 
 

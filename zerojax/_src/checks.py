@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from zerojax._src import layout as layout_lib
 
@@ -79,6 +81,39 @@ def in_device_memory(state: Any, settings: Settings) -> None:
 
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def same_on_every_process(tree: Any, what: str, fix: str) -> None:
+  """In a multi-process run, raises unless every process passes ``tree`` with the same structure,
+  shapes and dtypes (one tiny all-gather of a checksum, which has one size on every process,
+  unlike the arrays: a collective of arrays that differ would abort in gloo).
+
+  Raises:
+    ValueError: naming the processes that differ from process 0, and this one's leaves.
+  """
+  if jax.process_count() == 1:
+    return
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  described = [
+    f"{jax.tree_util.keystr(path) or '(root)'}: {np.shape(x)} {np.result_type(x)}"
+    for path, x in leaves
+  ]
+  signature = zlib.crc32(repr((str(treedef), described)).encode())
+  everyone = np.asarray(multihost_utils.process_allgather(np.uint32(signature))).ravel()
+  differ = [int(p) for p in np.flatnonzero(everyone != everyone[0])]
+  if differ:
+    raise ValueError(
+      f"the processes' {what} differ: process(es) {differ} passed another structure, shapes "
+      f"or dtypes than process 0. {fix} Process {jax.process_index()} passed "
+      f"{{{', '.join(described)}}}."
+    )
+
+
+def same_model_on_every_process(params: Any) -> None:
+  """``same_on_every_process`` for the parameters: every process must build the same model."""
+  same_on_every_process(
+    params, "parameters", "Every process must build the same model (the same code, flags, config)."
+  )
 
 
 def _shown(mesh: Any) -> str:

@@ -49,6 +49,8 @@ class ShardedOptimizer:
     plans = self.plans(params)
     if plans.master is not None:
       checks.full_precision(params, plans.sharded)
+    if not mesh_lib.is_traced(params):
+      checks.same_model_on_every_process(params)
     with mesh_lib.entered(self.settings.mesh, params):
       return self._init(params, plans=plans)
 

@@ -20,10 +20,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from zerojax._src import checks, quantize
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import precision as precision_lib
-from zerojax._src import quantize
 from zerojax._src import settings as settings_lib
 from zerojax._src.optimizer import ShardedOptimizer
 from zerojax._src.state import ZeroState, bookkeeping
@@ -160,6 +160,7 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     store = lambda tree: plans.as_stored(plans.params.map(_cast, tree))
     if mesh_lib.is_traced(params):
       return mesh_lib.global_view(self.mesh, store, plans.params.specs())(params)
+    checks.same_model_on_every_process(params)
     place = lambda leaf, x: jax.device_put(x, NamedSharding(self.mesh, leaf.partition_spec))
     return plans.params.map(place, store(params))
 
