@@ -168,6 +168,25 @@ def summed_loss(types):
   jax.jit(zerojax.value_and_grad(loss, tx))(_w(tx), jnp.ones((8, 4)))
 
 
+def min_shard_size_as_text(types):
+  zerojax.zero2(optax.sgd(0.1), mesh=_mesh(types), min_shard_size="1024")
+
+
+def transformation_as_checkpoint_spec(types):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
+  zerojax.CheckpointManager(GUIDE.parent / "_never_created", tx)  # refused before it is made
+
+
+def devices_not_whole(types):
+  zerojax.estimate_memory(7.5e9, num_devices=8.5, stage=3)
+
+
+def loss_not_a_scalar(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  loss = lambda params, x: x @ zerojax.gather(params)["w"]  # per example, not reduced
+  jax.jit(zerojax.value_and_grad(loss, tx))(_w(tx), jnp.ones((8, 4)))
+
+
 # The first column of docs/guide.md's errors table, and the misuse that raises each.
 CASES = {
   "mesh has no axis 'dta' (its axes are ('data',)); did you mean axis_name='data'?": axis_name_typo,
@@ -210,6 +229,16 @@ CASES = {
     batch_by_keyword
   ),
   "UserWarning: ... loss_fn's loss looks like a sum over its batch, not a mean": summed_loss,
+  "TypeError: value_and_grad needs loss_fn to return a scalar loss ... shape (1, 1024)": (
+    loss_not_a_scalar
+  ),
+  "min_shard_size must be an int (the fewest elements a leaf needs to be split), got '1024'": (
+    min_shard_size_as_text
+  ),
+  "TypeError: CheckpointManager's spec is a zerojax.StateSpec, got ZeroTransformation": (
+    transformation_as_checkpoint_spec
+  ),
+  "num_devices must be a whole number, at least 1, got 8.5": devices_not_whole,
 }
 
 # Misuses the table covers with another row's message.

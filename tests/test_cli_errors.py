@@ -101,6 +101,12 @@ CASES = [
     [*TINY, "--checkpoint-dir", "{tmp}/earlier_run", "--resume", "--lr", "0.1"],
     "--lr 0.1, but the checkpoints in {tmp}/earlier_run were trained with --lr 0.003",
   ),
+  (
+    "train_lm",
+    [*TINY, "--checkpoint-dir", "{tmp}/earlier_run", "--resume"],
+    "--resume from {tmp}/earlier_run: checkpoint step 2 in {tmp}/earlier_run does not fit this "
+    "manager's spec",
+  ),
   # python -m zerojax.launch
   ("launch", ["-n", "2", "nosuch.py"], "nosuch.py: no such script"),
   ("launch", ["-n", "2", "--timeout", "0", "x.py"], "--timeout must be above 0, got 0"),
@@ -135,9 +141,13 @@ def tmp(tmp_path):
   """The directory ``{tmp}`` stands for: a file, an earlier run's checkpoints, and a checkpoint
   directory with something that is not a checkpoint where step 2's would go."""
   (tmp_path / "a_file").write_text("not a directory")
-  # A checkpoint, as far as listing the directory goes (reading it would fail).
-  (tmp_path / "earlier_run" / "2").mkdir(parents=True)
+  # A checkpoint of another model, as far as listing the directory and reading its layout
+  # record go (reading its arrays would fail).
+  (tmp_path / "earlier_run" / "2" / "layout").mkdir(parents=True)
   (tmp_path / "earlier_run" / "2" / "_CHECKPOINT_METADATA").write_text("{}")
+  w = {"keys": ["params", "w"], "shape": [3], "dtype": "float32"}
+  layout = {"leaves": {"['params']['w']": w}, "master_path": ["params"]}
+  (tmp_path / "earlier_run" / "2" / "layout" / "metadata").write_text(json.dumps(layout))
   (tmp_path / "earlier_run" / "schedule.json").write_text(json.dumps({"lr": 3e-3, "steps": 2}))
   (tmp_path / "stranger" / "2").mkdir(parents=True)
   return tmp_path

@@ -63,7 +63,7 @@ def test_tree_estimate_counts_state_by_eval_shape():
 def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="stage must be one of"):
     zerojax.estimate_memory(1e9, num_devices=8, stage=4)
-  with pytest.raises(ValueError, match="num_devices must be at least 1"):
+  with pytest.raises(ValueError, match="num_devices must be a whole number, at least 1, got 0"):
     zerojax.estimate_memory(1e9, num_devices=0, stage=1)
 
 
@@ -178,7 +178,7 @@ def test_communication_estimate_arguments_are_checked():
     )
   with pytest.raises(ValueError, match="stage must be one of"):
     zerojax.estimate_communication(1e9, num_devices=8, stage=4)
-  with pytest.raises(ValueError, match="replicas must be at least 1"):
+  with pytest.raises(ValueError, match="replicas must be a whole number, at least 1, got 0"):
     zerojax.estimate_communication(1e9, num_devices=8, stage=3, replicas=0)
 
 

@@ -50,6 +50,8 @@ def looks_summed(fn: Callable[..., Any], batch: Sequence[Any], rows: int | None 
     small, large = (jax.make_jaxpr(loss)(*sized(factor)) for factor in (1, 2))
   except Exception:
     return False
+  if small.jaxpr.outvars[0].aval.shape:  # not a loss; value_and_grad says so
+    return False
   if _constants(small.jaxpr) != _constants(large.jaxpr):
     return False
   depends, divides = _batch_dependence(small.jaxpr, [True] * len(small.jaxpr.invars))

@@ -192,14 +192,20 @@ class _ValueAndGrad:
   def _call_loss(self, params, *chunk):
     """``(loss, aux)`` from ``loss_fn``, with a clear error for a result of the wrong shape."""
     result = self.loss_fn(params, *chunk)
-    if not self.has_aux:
-      return result, None
-    if not (isinstance(result, tuple | list) and len(result) == 2):
+    if self.has_aux and not (isinstance(result, tuple | list) and len(result) == 2):
       raise ValueError(
         f"value_and_grad(..., has_aux=True) expects loss_fn to return (loss, aux), but it "
         f"returned {_describe(result)}: return a pair, or drop has_aux=True."
       )
-    return tuple(result)
+    loss, aux = result if self.has_aux else (result, None)
+    if jnp.shape(loss) != ():
+      rows = jax.tree.leaves(chunk)[0].shape[0] if jax.tree.leaves(chunk) else 0
+      raise TypeError(
+        f"value_and_grad needs loss_fn to return a scalar loss, the mean over its slice of the "
+        f"batch, but it returned {_describe(loss)} on one device's slice of {rows} rows: "
+        "reduce it (jnp.mean over the batch)."
+      )
+    return loss, aux
 
   def _loss_scale(self, opt_state: Any) -> jax.Array | None:
     """The current loss scale, from the optimizer state, if the policy scales the loss."""
