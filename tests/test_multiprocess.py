@@ -483,14 +483,19 @@ def test_launcher_refuses_bad_restart_and_heartbeat_settings(capsys):
     launch.launch(["true"], num_processes=1, max_restarts=-1)
 
 
-def test_a_process_that_raises_fails_the_job_at_once():
-  # The worker's shutdown timeout is 120 s: without initialize's exception hook,
-  # the raising process would wait that long at exit for the other one.
+def test_a_process_that_raises_fails_the_job_at_once(tmp_path):
+  # The worker's shutdown timeout is 120 s and its collective timeout 60 s: without
+  # initialize's exception hook, the raising process would wait at exit for the other one, in
+  # JAX's exit barrier and in Orbax's commit of the save in flight (which then fails, printing
+  # two long tracebacks), while the other waits for it in a collective.
   begin = time.monotonic()
-  done = run_launcher("-n", "2", "--devices-per-process", "4", WORKER, "raise", timeout=110)
+  args = ["-n", "2", "--devices-per-process", "4", WORKER, "raise", str(tmp_path)]
+  done = run_launcher(*args, timeout=110)
   assert done.returncode == 1, done.stderr[-3000:]
   assert "RuntimeError: injected fault at step 2" in done.stderr
   assert "process 1 (pid" in done.stderr and "exited with code 1; stopping" in done.stderr
+  assert "cannot schedule new futures after shutdown" not in done.stderr
+  assert "[p0] Traceback" not in done.stderr  # one line at most: it lost its peer
   assert time.monotonic() - begin < 60
 
 

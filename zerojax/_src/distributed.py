@@ -10,7 +10,6 @@ is needed (``gather_to_host``).
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import socket
@@ -89,11 +88,13 @@ def initialize(
   (``--xla_cpu_collective_timeout_seconds``; GPU and TPU collectives have their
   own). CPU collectives use gloo over TCP.
 
-  A process that dies of an uncaught exception exits at once: JAX's exit-time
-  barrier, where it would otherwise wait up to ``shutdown_timeout`` for the
-  others (which wait for it in a collective), is skipped for it. A launcher
+  A process that dies of an uncaught exception prints its traceback and exits
+  with status 1 at once: neither JAX's exit-time barrier (up to
+  ``shutdown_timeout``) nor a checkpoint save in flight, which would wait for
+  the others while they wait for it in a collective, holds it. A launcher
   (``python -m zerojax.launch``, ``srun --kill-on-bad-exit``) then sees the
-  failure right away.
+  failure right away. One whose collective failed because another process
+  went away says so in one line instead of its traceback.
 
   Args:
     coordinator_address: ``host:port`` of process 0, where the coordination
@@ -238,26 +239,21 @@ def _say(message: str) -> None:
 
 
 def _exit_at_once_on_uncaught_exceptions() -> None:
-  """Makes a process that dies of an uncaught exception skip JAX's exit-time shutdown barrier.
+  """Makes a process that dies of an uncaught exception exit at once, with status 1.
 
-  At exit JAX disconnects from the distributed service, which waits up to the
-  shutdown timeout for every other process to disconnect too. The others are
-  waiting for this one in a collective, so a crash would otherwise take that
-  long to become an exit status. ``jax._src.api.clean_up`` is that exit hook;
-  if a later JAX moves it, crashes take the slow way again, nothing worse.
+  Python's own exit would wait first for threads that wait for the other
+  processes, which wait for this one in a collective: Orbax's background
+  checkpoint commit (which then fails, ``cannot schedule new futures after
+  shutdown``, and prints two long tracebacks), and JAX's exit-time barrier
+  with the distributed service (up to the shutdown timeout). A crash would
+  then take that long, or forever, to become an exit status. A save that was
+  in flight is abandoned, as in any crash: it was not committed, and the
+  checkpoints before it are whole.
 
-  A process whose collective failed because another process went away says so
-  in one line and exits with status 1 at once: its traceback only repeats that,
-  and the distributed service's C++ logs would follow it on the way out. The
-  process that failed first prints why.
+  A process whose collective failed because another process went away says
+  so in one line instead of its traceback, which only repeats that: the
+  process that failed first prints the cause.
   """
-  try:
-    from jax._src import api as jax_api
-  except ImportError:
-    return
-  clean_up = getattr(jax_api, "clean_up", None)
-  if clean_up is None:
-    return
   previous = sys.excepthook
 
   def excepthook(kind, error, traceback):
@@ -267,12 +263,12 @@ def _exit_at_once_on_uncaught_exceptions() -> None:
         f"zerojax: process {jax.process_index()} stopped: a collective lost another process "
         f"({kind.__name__}: {first}); the process that failed first says why.",
         file=sys.stderr,
-        flush=True,
       )
-      sys.stdout.flush()
-      os._exit(1)
-    previous(kind, error, traceback)
-    atexit.unregister(clean_up)
+    else:
+      previous(kind, error, traceback)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
   sys.excepthook = excepthook
 
