@@ -367,3 +367,15 @@ def test_a_chain_runs_eagerly_under_set_mesh_and_in_jit():
     eager, _ = tx.update(grads, state, params)
   jitted, _ = jax.jit(tx.update)(grads, state, params)
   assert eager["w"].sharding.spec == jitted["w"].sharding.spec == jax.P(None, "data")
+
+
+def test_the_summed_loss_check_traces_silently(capsys):
+  # The check traces the loss twice more; what the loss prints while traced shows once.
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(AxisType.Explicit))
+
+  def loss(params, x):
+    print("tracing the loss")
+    return jnp.mean(x @ zerojax.gather(params)["w"])
+
+  zerojax.value_and_grad(loss, tx)(_w(tx), jnp.ones((16, 4)))
+  assert capsys.readouterr().out == "tracing the loss\n"

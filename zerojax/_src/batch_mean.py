@@ -11,6 +11,9 @@ computed from the batch (a masked mean); a sum does neither.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +29,8 @@ def looks_summed(fn: Callable[..., Any], batch: Sequence[Any], rows: int | None 
   many: it sums if its value depends on the batch, no constant of the trace
   changes with the batch size, and it divides by no scalar computed from the
   batch. A loss that cannot be traced at another batch size gets no verdict
-  (``False``). Nothing runs, and nothing is added to an enclosing trace.
+  (``False``). Nothing runs, nothing is added to an enclosing trace, and what
+  the loss prints or warns while traced is dropped (its real trace shows it).
 
   Args:
     fn: the loss of one micro-batch, its parameters closed over.
@@ -47,7 +51,9 @@ def looks_summed(fn: Callable[..., Any], batch: Sequence[Any], rows: int | None 
     lambda x: jax.typeof(x).update(shape=(factor * (rows or x.shape[0]), *x.shape[1:])), batch
   )
   try:  # the loss may fix its batch size; then there is no verdict
-    small, large = (jax.make_jaxpr(loss)(*sized(factor)) for factor in (1, 2))
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      small, large = (jax.make_jaxpr(loss)(*sized(factor)) for factor in (1, 2))
   except Exception:
     return False
   if small.jaxpr.outvars[0].aval.shape:  # not a loss; value_and_grad says so
