@@ -332,16 +332,16 @@ def test_evaluation_runs_on_gathered_parameters_not_on_the_stored_shards(types):
   # The guide: the model code of value_and_grad runs in evaluation on tx.gather(params); on
   # the stored stage-3 shards JAX refuses its matmuls on explicit axes.
   tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
-  params = tx.shard({"w": jnp.eye(512), "layers": jnp.ones((2, 512, 512)) / 512})
+  params = tx.shard({"w": jnp.eye(64), "layers": jnp.ones((2, 64, 64)) / 64})
   layer = lambda h, w: (jnp.tanh(h @ w), None)
 
   def loss_fn(params, x):  # README's quickstart model
     h = x @ zerojax.gather(params["w"])
     return jnp.mean(zerojax.scan(layer, h, params["layers"])[0])
 
-  x = jnp.ones((8, 512))
+  x = jnp.ones((8, 64))
   expected, _ = zerojax.value_and_grad(loss_fn, tx)(params, x)
-  assert jax.jit(loss_fn)(tx.gather(params), x) == pytest.approx(float(expected))
+  assert jax.jit(loss_fn)(tx.gather(params), x) == pytest.approx(float(expected), rel=1e-5)
   if types == AxisType.Explicit:
     with pytest.raises(Exception, match="Contracting dimensions are sharded"):
       jax.jit(loss_fn)(params, x)

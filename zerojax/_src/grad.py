@@ -61,7 +61,9 @@ def value_and_grad(
 
   Args:
     loss_fn: ``loss_fn(params, *batch)`` returning a scalar loss (the mean over
-      its batch slice), or ``(loss, aux)`` with ``has_aux=True``.
+      its batch slice), or ``(loss, aux)`` with ``has_aux=True``. A loss that
+      sums over its slice instead gets a ``UserWarning``: the result would be
+      1/N of ``jax.value_and_grad``'s on the whole batch.
     tx: the ``ZeroTransformation`` that will apply the gradients.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     microbatches: how many micro-batches each device's slice of the batch is
