@@ -157,7 +157,7 @@ class Shard:
     >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
     >>> def loss_fn(params, x):
     ...   print(type(params["w"]).__name__, params["w"].value.shape)
-    ...   return jnp.sum(x @ zerojax.gather(params["w"]))
+    ...   return jnp.mean(x @ zerojax.gather(params["w"]))
     >>> params = tx.shard({"w": jnp.ones((4, 1024))})
     >>> _ = zerojax.value_and_grad(loss_fn, tx)(params, jnp.ones((8, 4)))
     Shard (4, 128)

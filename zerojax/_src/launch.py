@@ -32,7 +32,11 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 #: With ``min_processes``: a process that ended this many attempts in a row counts as lost.
 DROP_AFTER = 2
 #: What gloo prints on stdout for every group of processes it connects: noise, unless asked for.
-_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+#: Two threads of a process may print it at once, each line cut into the other.
+_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank|is connected to \d+ peer ranks")
+#: The exit status of a usage error (argparse's, Python's for a script it cannot open): a
+#: restart would repeat it.
+USAGE_EXIT_CODE = 2
 
 
 def free_port() -> int:
@@ -167,7 +171,10 @@ def launch(
 
   Restarts: after a failure the whole group is started again with the same
   command, up to ``max_restarts`` times; the script resumes from its latest
-  checkpoint. A process that exits with ``zerojax.distributed.PREEMPTED_EXIT_CODE`` (75)
+  checkpoint. A process that exits with 2 (``USAGE_EXIT_CODE``: argparse's
+  status for a mistake in the arguments, Python's for a script it cannot open)
+  ends the job without a restart, which would only repeat the mistake. A
+  process that exits with ``zerojax.distributed.PREEMPTED_EXIT_CODE`` (75)
   was preempted and saved: the others get ``grace_period`` seconds to do the
   same, and if they all do, the group is restarted without counting against
   ``max_restarts`` (a preemption is not a fault of the job, and on preemptible
@@ -219,8 +226,9 @@ def launch(
 
   Raises:
     ValueError: if ``num_processes``, ``devices_per_process`` or
-      ``heartbeat_timeout`` is below 1, ``max_restarts`` below 0, or
-      ``min_processes`` not between 1 and ``num_processes``.
+      ``heartbeat_timeout`` is below 1, ``max_restarts`` or ``grace_period``
+      below 0, ``timeout`` not above 0, or ``min_processes`` not between 1 and
+      ``num_processes``.
 
   Example:
     >>> import io, sys
@@ -250,7 +258,13 @@ def launch(
     True
   """
   problem = _check(
-    num_processes, devices_per_process, max_restarts, heartbeat_timeout, min_processes
+    num_processes,
+    devices_per_process,
+    max_restarts,
+    heartbeat_timeout,
+    min_processes,
+    timeout=timeout,
+    grace_period=grace_period,
   )
   if problem:
     raise ValueError(f"{problem}.")
@@ -298,6 +312,9 @@ def _check(
   heartbeat_timeout: int | None,
   min_processes: int | None,
   name: Callable[[str], str] = str,
+  *,
+  timeout: float | None = None,
+  grace_period: float = DEFAULT_GRACE_PERIOD,
 ) -> str | None:
   """The first thing wrong with the launcher's arguments, each called ``name(argument)``."""
   for argument, value, least in [
@@ -305,9 +322,12 @@ def _check(
     ("max_restarts", max_restarts, 0),
     ("devices_per_process", devices_per_process, 1),
     ("heartbeat_timeout", heartbeat_timeout, 1),
+    ("grace_period", grace_period, 0),
   ]:
     if value is not None and value < least:
-      return f"{name(argument)} must be at least {least}, got {value}"
+      return f"{name(argument)} must be at least {least}, got {value:g}"
+  if timeout is not None and not timeout > 0:
+    return f"{name('timeout')} must be above 0, got {timeout:g}"
   if min_processes is not None and not 1 <= min_processes <= num_processes:
     return (
       f"{name('min_processes')} must be between 1 and {name('num_processes')} "
@@ -342,6 +362,13 @@ class _Restarts:
         "--max-restarts."
       )
       return True
+    if outcome.kind == "failed" and outcome.status == USAGE_EXIT_CODE:
+      self.say(
+        f"not restarting: attempt {attempt} exited with {USAGE_EXIT_CODE}, a usage error (the "
+        "script's arguments, or a script Python cannot open), which every restart would repeat; "
+        f"fix the command. Exit status {USAGE_EXIT_CODE}."
+      )
+      return False
     if outcome.kind == "failed":
       self.suspect.failed(outcome.culprit, attempt)
     if self.min_processes is not None and self.suspect.lost():
@@ -582,7 +609,7 @@ def _stream(
   pipe: TextIO, sink: TextIO, prefix: str, lock: threading.Lock, hide: re.Pattern | None
 ) -> None:
   for line in pipe:
-    if hide is not None and hide.match(line):
+    if hide is not None and hide.search(line):
       continue
     with lock:
       sink.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
@@ -634,9 +661,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.heartbeat_timeout,
     args.min_processes,
     name=lambda argument: "--" + argument.replace("_", "-"),
+    timeout=args.timeout,
+    grace_period=args.grace_period,
   )
   if problem:
     parser.error(problem)
+  if not os.path.isfile(args.script):
+    parser.error(f"{args.script}: no such script (every process would run python {args.script})")
   return launch(
     [sys.executable, args.script, *args.args],
     num_processes=args.num_processes,
@@ -672,7 +703,8 @@ def _parser() -> argparse.ArgumentParser:
     default=0,
     help="restart the whole group after a failure up to this many times (default %(default)s); "
     f"a group whose processes exit with {preemption.PREEMPTED_EXIT_CODE} (preempted, after "
-    "saving) is restarted without counting",
+    f"saving) is restarted without counting, one that exits with {USAGE_EXIT_CODE} (a usage "
+    "error) is not restarted",
   )
   parser.add_argument(
     "--min-processes",
