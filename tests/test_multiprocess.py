@@ -273,7 +273,7 @@ def started_alone(process_id: int, port: int, *args: str, **env: str) -> subproc
   return subprocess.Popen(
     [sys.executable, *args],
     cwd=ROOT,
-    env=dict(os.environ, PYTHONPATH=str(ROOT), **variables),
+    env=environment.subprocess_env(**variables),
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
@@ -295,8 +295,8 @@ def test_a_process_whose_peer_never_starts_says_what_it_waits_for_and_exits():
   assert [process.returncode for process in alone] == [distributed.NOT_JOINED_EXIT_CODE] * 2
   for process, (port, err) in enumerate(zip(ports, errors, strict=True)):
     assert (
-      f"zerojax.distributed.initialize: process {process} of 2 is waiting for the others to join at "
-      f"127.0.0.1:{port} (up to initialization_timeout=3 s)." in err
+      f"zerojax.distributed.initialize: process {process} of 2 is waiting for the others to join "
+      f"at 127.0.0.1:{port} (up to initialization_timeout=3 s)." in err
     )
     assert f"waited initialization_timeout=3 s at 127.0.0.1:{port}, and " in err
     assert "Check failure stack trace" not in err
@@ -333,7 +333,7 @@ def test_a_collective_that_lost_its_peer_ends_the_process_in_one_line():
     capture_output=True,
     text=True,
     timeout=60,
-    env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"),
+    env=environment.subprocess_env(JAX_PLATFORMS="cpu"),
   )
   assert done.returncode == 1
   lines = [line for line in done.stderr.splitlines() if "zerojax" in line or "Traceback" in line]

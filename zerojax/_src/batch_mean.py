@@ -89,7 +89,7 @@ def _batch_dependence(jaxpr: core.Jaxpr, batch: list[bool]) -> tuple[list[bool],
   divides = False
   for eqn in jaxpr.eqns:
     marks = [on_batch(var) for var in eqn.invars]
-    if eqn.primitive.name == "div" and marks[1] and not eqn.invars[1].aval.shape:
+    if eqn.primitive.name == "div" and marks[1] and not getattr(eqn.invars[1].aval, "shape", ()):
       divides = True
     for inner in core.jaxprs_in_params(eqn.params):
       if len(inner.invars) == len(marks):

@@ -68,7 +68,7 @@ def in_device_memory(state: Any, settings: Settings) -> None:
     if name in settings.offload.fields:
       continue
     for path, x in jax.tree_util.tree_flatten_with_path(getattr(state, name))[0]:
-      if isinstance(x, jax.core.Tracer):
+      if isinstance(x, Tracer):
         in_host = jax.typeof(x).memory_space == jax.memory.Space.Host
       else:
         in_host = getattr(getattr(x, "sharding", None), "memory_kind", None) in _HOST_KINDS

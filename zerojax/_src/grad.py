@@ -204,6 +204,7 @@ class _ValueAndGrad:
         f"returned {_describe(result)}: return a pair, or drop has_aux=True."
       )
     loss, aux = result if self.has_aux else (result, None)
+    loss = jnp.asarray(loss)
     if jnp.shape(loss) != ():
       rows = jax.tree.leaves(chunk)[0].shape[0] if jax.tree.leaves(chunk) else 0
       raise TypeError(
