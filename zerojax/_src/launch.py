@@ -1,4 +1,4 @@
-"""A local launcher: N CPU processes of one script on loopback, stopped together, restarted.
+"""A local launcher: N processes of one script on loopback, stopped together, restarted.
 
 For development and tests only: on a cluster, the cluster's own launcher
 (``srun``, ``gcloud ... --worker=all``) starts the processes and
@@ -22,13 +22,13 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, TextIO
 
 from zerojax._src import distributed, preemption
+from zerojax._src import placement as placement_lib
 
 #: Environment variable: which attempt this is, 1 for the first start, 2 after one restart, ...
 ATTEMPT = "ZEROJAX_ATTEMPT"
 #: Seconds between SIGTERM and SIGKILL when stopping processes.
 DEFAULT_GRACE_PERIOD = 5.0
 _POLL_SECONDS = 0.05
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 #: With ``min_processes``: a process that ended this many attempts in a row counts as lost.
 DROP_AFTER = 2
 #: What gloo prints on stdout for every group of processes it connects: noise, unless asked for.
@@ -52,16 +52,24 @@ def process_env(
   process_id: int,
   num_processes: int,
   coordinator_address: str,
-  devices_per_process: int | None,
+  placement: placement_lib.Placement,
 ) -> dict[str, str]:
   """The environment of one launched process: ``base`` plus where to find the others.
 
   Example:
+    >>> from zerojax._src.placement import Placement
     >>> env = process_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
     ...                   process_id=1, num_processes=2, coordinator_address="127.0.0.1:1234",
-    ...                   devices_per_process=4)
+    ...                   placement=Placement("cpu", devices_per_process=4))
     >>> env["ZEROJAX_PROCESS_ID"], env["XLA_FLAGS"], env["JAX_PLATFORMS"]
     ('1', '--xla_force_host_platform_device_count=4', 'cpu')
+
+    On a host with GPUs, one each, and no platform forced:
+
+    >>> env = process_env({}, process_id=1, num_processes=2, coordinator_address="127.0.0.1:1234",
+    ...                   placement=Placement("gpu", gpus=("0", "1")))
+    >>> env["CUDA_VISIBLE_DEVICES"], "JAX_PLATFORMS" in env
+    ('1', False)
   """
   env = dict(base)
   env.update(
@@ -69,15 +77,10 @@ def process_env(
       distributed.COORDINATOR_ADDRESS: coordinator_address,
       distributed.NUM_PROCESSES: str(num_processes),
       distributed.PROCESS_ID: str(process_id),
-      "JAX_PLATFORMS": "cpu",
       "PYTHONUNBUFFERED": "1",
     }
   )
-  if devices_per_process is not None:
-    # Replace, not append to, a device count inherited from the parent (a test
-    # process forcing 8 devices must not give each child 8).
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={devices_per_process}"])
+  env.update(placement.env(process_id, base))
   return env
 
 
@@ -144,6 +147,7 @@ def launch(
   *,
   num_processes: int,
   devices_per_process: int | None = None,
+  platform: str | None = None,
   max_restarts: int = 0,
   min_processes: int | None = None,
   heartbeat_timeout: int | None = None,
@@ -158,8 +162,10 @@ def launch(
   Each process gets ``ZEROJAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free
   port), ``ZEROJAX_NUM_PROCESSES`` and ``ZEROJAX_PROCESS_ID``, which
   ``initialize`` reads, ``ZEROJAX_ATTEMPT`` (1, then 2 after the first
-  restart, ...), and ``JAX_PLATFORMS=cpu`` with ``devices_per_process`` CPU
-  devices. Their output is streamed line by line, each line prefixed with
+  restart, ...), and its devices: on a host with GPUs one each
+  (``CUDA_VISIBLE_DEVICES``), on a TPU host (one process) all of them,
+  elsewhere ``JAX_PLATFORMS=cpu`` with ``devices_per_process`` CPU devices
+  (see ``platform``). Their output is streamed line by line, each line prefixed with
   ``[p<id>] ``, but for gloo's ``[Gloo] Rank N is connected to ...`` lines
   (each process prints them as it connects to the others) unless ``verbose``.
   As soon as one process fails (non-zero exit or a signal), or ``timeout``
@@ -200,8 +206,11 @@ def launch(
     command: the program and its arguments, e.g. ``[sys.executable, "train.py"]``.
     num_processes: how many processes to start.
     devices_per_process: CPU devices each process fakes
-      (``--xla_force_host_platform_device_count``); ``None`` keeps the
-      inherited ``XLA_FLAGS``.
+      (``--xla_force_host_platform_device_count``), which means the CPU;
+      ``None`` keeps the inherited ``XLA_FLAGS``.
+    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; ``None`` takes the host's
+      accelerators as their drivers show them (``/dev/nvidia<N>``,
+      ``/dev/accel<N>``), else the CPU. Nothing else forces a platform.
     max_restarts: how many times to restart the group after a failure.
     min_processes: go on without a lost process while at least this many
       remain (``None``: never go on without one, restart the whole group).
@@ -228,7 +237,8 @@ def launch(
     ValueError: if ``num_processes``, ``devices_per_process`` or
       ``heartbeat_timeout`` is below 1, ``max_restarts`` or ``grace_period``
       below 0, ``timeout`` not above 0, or ``min_processes`` not between 1 and
-      ``num_processes``.
+      ``num_processes``; or if the processes do not fit the host's devices
+      (more than its GPUs, more than one on a TPU host).
 
   Example:
     >>> import io, sys
@@ -268,6 +278,11 @@ def launch(
   )
   if problem:
     raise ValueError(f"{problem}.")
+  accelerators = placement_lib.local_accelerators()
+  place = lambda count: placement_lib.place(
+    count, devices_per_process, platform, os.environ, accelerators
+  )
+  place(num_processes)  # refused now rather than at the first start
   stdout = stdout or sys.stdout
   stderr = stderr or sys.stderr
   lock = threading.Lock()
@@ -288,7 +303,7 @@ def launch(
       env = {**base_env, ATTEMPT: str(attempt)}
       group = _Group(command, env, stdout, stderr, lock, hide=None if verbose else _GLOO_CONNECTED)
       try:
-        group.start(policy.num_processes, devices_per_process)
+        group.start(policy.num_processes, place(policy.num_processes))
         say(
           f"attempt {attempt}: started {policy.num_processes} process(es) (pids "
           f"{', '.join(str(p.pid) for p in group.processes)}); "
@@ -424,7 +439,7 @@ class _Group:
     self.exit_order: list[int] = []
     self._readers: list[threading.Thread] = []
 
-  def start(self, num_processes: int, devices_per_process: int | None) -> None:
+  def start(self, num_processes: int, placement: placement_lib.Placement) -> None:
     coordinator = f"127.0.0.1:{free_port()}"  # a fresh one: the last may linger in TIME_WAIT
     for process_id in range(num_processes):
       env = process_env(
@@ -432,7 +447,7 @@ class _Group:
         process_id=process_id,
         num_processes=num_processes,
         coordinator_address=coordinator,
-        devices_per_process=devices_per_process,
+        placement=placement,
       )
       # Own session: a Ctrl-C in the terminal reaches the launcher only, which
       # forwards it, and stopping a session also stops what the process started.
@@ -668,10 +683,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error(problem)
   if not os.path.isfile(args.script):
     parser.error(f"{args.script}: no such script (every process would run python {args.script})")
+  try:
+    placement_lib.place(args.num_processes, args.devices_per_process, args.platform)
+  except ValueError as error:
+    parser.error(str(error).replace("devices_per_process", "--devices-per-process"))
   return launch(
     [sys.executable, args.script, *args.args],
     num_processes=args.num_processes,
     devices_per_process=args.devices_per_process,
+    platform=args.platform,
     max_restarts=args.max_restarts,
     min_processes=args.min_processes,
     heartbeat_timeout=args.heartbeat_timeout,
@@ -686,7 +706,8 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog="python -m zerojax.launch",
     description="Run N processes of a Python script as one multi-process JAX job on this "
-    "machine (CPU devices, loopback, gloo collectives). Every output line is prefixed with "
+    "machine: one GPU each on a host with GPUs, the TPUs of a TPU host (one process), else "
+    "CPU devices with gloo collectives; loopback between them. Every output line is prefixed with "
     "[p<process id>]; if any process fails, the others are stopped and, with --max-restarts, "
     "the whole group is started again; the exit status is the last attempt's.",
   )
@@ -695,7 +716,13 @@ def _parser() -> argparse.ArgumentParser:
     "--devices-per-process",
     type=int,
     default=None,
-    help="CPU devices per process (default: whatever XLA_FLAGS already gives)",
+    help="CPU devices per process, on the CPU (default: whatever XLA_FLAGS already gives)",
+  )
+  parser.add_argument(
+    "--platform",
+    choices=placement_lib.PLATFORMS,
+    help="what the processes compute on (default: the host's GPUs or TPUs, as /dev shows "
+    "them, else the CPU)",
   )
   parser.add_argument(
     "--max-restarts",
