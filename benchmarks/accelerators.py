@@ -60,12 +60,13 @@ MODELS = {
   # The ZeRO paper's 7.5B parameters, 2048 tokens per chip of a v5e 8 x 8.
   "7.5b": mlp.MlpConfig(layers=56, d=4096, hidden=16384, tokens=2048 * 64),
 }
-#: The ``--policy`` names: ``jax.checkpoint`` policies (``None``: save everything but weights).
+#: The ``--policy`` names: ``jax.checkpoint`` policies. "everything" is ``zerojax.scan``'s default
+#: (every value but the gathered weights, whatever the policy, is saved: nothing is recomputed).
 POLICIES = {
   "dots": jax.checkpoint_policies.dots_saveable,
   "dots without batch dims": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
   "nothing": jax.checkpoint_policies.nothing_saveable,
-  "everything": None,
+  "everything": jax.checkpoint_policies.everything_saveable,
 }
 #: zerojax's policy and the compute dtype of each ``--precisions`` name. bf16 reduces gradients in
 #: bf16 too, as GSPMD FSDP does when the loss casts the weights (zerojax's named "bf16" policy
@@ -331,7 +332,8 @@ def main() -> None:
       if args.gpu_flags
       else "setups"
     )
-    begin = f"<!-- results: accelerators.py {mode} -->"
+    targets = "v5e-64" if args.scale else " ".join(args.targets)
+    begin = f"<!-- results: accelerators.py {mode} {targets} -->"
     report.write_markdown(args.markdown, text, begin, "Benchmarks")
 
 
