@@ -50,6 +50,7 @@ def make_batch(seed=1):
 
 
 def loss_fn(params, x, y, prefetch):
+  """The loss; ``prefetch`` is 0, 1, or "defer" (1, each reduction one iteration late)."""
   top = zerojax.gather({"embed": params["embed"], "head": params["head"]})
 
   def layer(h, w):
@@ -57,7 +58,8 @@ def loss_fn(params, x, y, prefetch):
     normed = normed * w["scale"] + w["shift"]
     return h + jnp.tanh(normed @ w["w_in"] + w["b_in"]) @ w["w_out"] + w["b_out"], jnp.mean(h)
 
-  h, means = zerojax.scan(layer, x @ top["embed"], params["layers"], prefetch=prefetch)
+  options = dict(prefetch=0 if prefetch == 0 else 1, defer_reductions=prefetch == "defer")
+  h, means = zerojax.scan(layer, x @ top["embed"], params["layers"], **options)
   return jnp.mean((h @ top["head"] - y) ** 2) + 1e-3 * jnp.sum(means)
 
 
@@ -112,7 +114,11 @@ def test_prefetched_loops_compute_only_what_the_previous_iteration_gathered(opti
   assert len(loops) == 2  # forward and backward
   for loop in loops:
     assert loop.waiting_gathers == 0, loop  # test 1: weights reach the dots through the carry
-    assert loop.waiting_reductions == 0, loop  # test 2: the previous iteration's gradient
+  # Each layer's gradient is reduced in its own iteration, after its matmuls; deferred, the
+  # reduction is of the previous iteration's gradient and waits on nothing.
+  assert loops[1].waiting_reductions > 0
+  for loop in layer_loops(compiled(3, "defer", **options)):
+    assert loop.waiting_gathers == loop.waiting_reductions == 0, loop  # test 2
 
 
 @pytest.mark.parametrize("options", [{}, {"quantized_weights": "int8"}], ids=["fp32", "int8"])
@@ -142,16 +148,18 @@ def test_each_leaf_moves_in_collectives_of_its_own_without_a_byte_copy(options):
   assert moved and "u8" not in moved, moved
 
 
-def test_stage_2_defers_the_reduction_and_gathers_nothing():
-  loops = zerojax.diagnostics.loop_collectives(compiled(2, 1))
+def test_stage_2_gathers_nothing_and_defers_its_reductions_on_request():
+  loops = zerojax.diagnostics.loop_collectives(compiled(2, "defer"))
   summary = [(loop.gathers, loop.reductions, loop.waiting_reductions) for loop in loops]
   assert summary == [(0, LEAVES_PER_LAYER, 0)]
-  (serial,) = zerojax.diagnostics.loop_collectives(compiled(2, 0))
-  assert serial.reductions == LEAVES_PER_LAYER and serial.waiting_reductions > 0
+  for prefetch in (0, 1):
+    (loop,) = zerojax.diagnostics.loop_collectives(compiled(2, prefetch))
+    assert loop.gathers == 0 and loop.reductions == LEAVES_PER_LAYER
+    assert loop.waiting_reductions > 0
 
 
 def test_micro_batches_prefetch_inside_each_micro_batch():
-  loops = layer_loops(compiled(3, 1, microbatches=2))
+  loops = layer_loops(compiled(3, "defer", microbatches=2))
   # The micro-batch loop holds the layer loops, the gathers of the parameters
   # outside the layers, and the reductions the layer loops leave to the end.
   assert len(loops) == 3
@@ -210,6 +218,12 @@ def test_prefetch_changes_no_number_beyond_rounding(stage, mesh_kind, options):
   serial = train(stage, 0, 20, mesh_kind, **options)
   prefetched = train(stage, 1, 20, mesh_kind, **options)
   chex.assert_trees_all_close(prefetched, serial, **rounding(options.get("precision")))
+
+
+@pytest.mark.parametrize(("stage", "mesh_kind"), [(2, "hybrid"), (3, "explicit")], ids=str)
+def test_deferred_reductions_change_no_number_beyond_rounding(stage, mesh_kind):
+  serial = train(stage, 0, 20, mesh_kind)
+  chex.assert_trees_all_close(train(stage, "defer", 20, mesh_kind), serial, **rounding(None))
 
 
 def test_prefetch_changes_no_number_beyond_quantization():

@@ -9,17 +9,18 @@ loop is rewritten so that it need not:
   all-gather of layer i+1, then computes layer i with the weights the previous
   iteration gathered (carried in the loop state);
 * backward: a reversed loop, built by a ``jax.custom_vjp``, computes layer i's
-  VJP with weights gathered one iteration earlier, while it gathers layer i-1
-  and reduce-scatters the gradient of layer i+1, which the previous iteration
-  produced. The last layer's weights are kept from the forward pass, so the
-  backward pass starts without a gather.
+  VJP with weights gathered one iteration earlier, while it gathers layer
+  i-1, and reduce-scatters layer i's gradient (or, with ``defer_reductions``,
+  the gradient of layer i+1, which the previous iteration produced). The last
+  layer's weights are kept from the forward pass, so the backward pass starts
+  without a gather.
 
-Each layer's VJP reuses what the forward pass saved under
-``zerojax.remat_policy`` (everything but the gathered weights, which are
-re-gathered), so the arithmetic is the one a ``jax.checkpoint``-ed scan does.
-The first and last iterations of each loop are peeled, so that no iteration
-gathers a layer it does not use. At stage 2 the weights are read, not
-gathered, and only the deferred reduction applies.
+Each layer's VJP reuses what the forward pass saved under the layer's
+``jax.checkpoint`` policy (never the gathered weights, which are re-gathered),
+so the arithmetic is the one a ``jax.checkpoint``-ed scan does. The first and
+last iterations of each loop are peeled, so that no iteration gathers a layer
+it does not use. At stage 2 the weights are read, not gathered, and only the
+reductions apply.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def scan(
   *,
   prefetch: int = 1,
   policy: Callable[..., bool] | None = None,
+  defer_reductions: bool = False,
 ) -> tuple[Any, Any]:
   """``jax.lax.scan`` over a layer stack whose parameter shards ``f`` receives gathered.
 
@@ -53,13 +55,17 @@ def scan(
   all-gather, and their gradients in one reduce-scatter.
 
   With ``prefetch=1`` layer i+1's all-gather is issued before layer i's compute,
-  in the forward pass and, in reverse, in the backward pass, where layer i's
-  gradient is also reduce-scattered one iteration later, while layer i-1's
-  backward runs: on GPUs and TPUs the collectives then overlap the compute. At
-  most two layers' gathered weights (and two layers' weight gradients) are
-  alive at once. ``prefetch=0`` gathers each layer in its own iteration, under
-  ``jax.checkpoint``. Both give the same numbers, to rounding (XLA fuses the
-  two programs differently).
+  in the forward pass and, in reverse, in the backward pass: on GPUs and TPUs
+  the gathers then overlap the compute, and at most two layers' gathered
+  weights are alive at once. Each layer's gradient is reduce-scattered as the
+  backward pass makes it; with ``defer_reductions=True``, one iteration later,
+  while the next layer's backward runs, at the price of one more layer's
+  gradient alive. Compiled for 8 x H100 that pays only where XLA may run two
+  collectives at once (``--xla_gpu_experimental_parallel_collective_overlap_limit=2``:
+  0.70x GSPMD FSDP's step in XLA's estimate, against 0.80x without it); see
+  docs/performance.md. ``prefetch=0`` gathers each layer in its own iteration,
+  under ``jax.checkpoint``. All give the same numbers, to rounding (XLA fuses
+  the programs differently).
 
   What the backward pass reads from the forward pass is ``policy``'s choice,
   as for ``jax.checkpoint``: by default every intermediate value of a layer is
@@ -84,6 +90,8 @@ def scan(
     policy: a ``jax.checkpoint`` policy (``jax.checkpoint_policies``) naming
       the values the backward pass reads from the forward pass; ``None``
       saves every one but the weights.
+    defer_reductions: with ``prefetch=1``, reduce-scatter each layer's
+      gradient one iteration late.
 
   Returns:
     ``(carry, ys)``, as ``jax.lax.scan`` returns them.
@@ -106,6 +114,12 @@ def scan(
       f"prefetch is how many layers ahead to gather: 0 or 1 (two layers alive at once), "
       f"got {prefetch!r}."
     )
+  if defer_reductions and prefetch == 0:
+    raise ValueError(
+      "defer_reductions=True reduce-scatters each layer's gradient in the next iteration of the "
+      "prefetching backward loop; prefetch=0 has none (each gather's own derivative reduces): "
+      "pass prefetch=1, or drop defer_reductions."
+    )
   if any(isinstance(x, collectives.Shard) for x in _leaves(init)):
     raise ValueError(
       "zerojax.scan's init holds a zerojax.Shard: only xs may hold parameter shards (a layer's "
@@ -125,7 +139,7 @@ def scan(
       prevent_cse=False,
     )
     return jax.lax.scan(body, init, xs, length)
-  return _prefetched(f, init, leaves, treedef, shards, policy)
+  return _prefetched(f, init, leaves, treedef, shards, policy, defer_reductions)
 
 
 def _is_shard(x: Any) -> bool:
@@ -147,6 +161,8 @@ class _Stack(NamedTuple):
     length: the number of layers.
     policy: the ``jax.checkpoint`` policy of one layer (the user's, never
       saving gathered weights).
+    defer: reduce-scatter each layer's gradient one iteration late, while the
+      next layer's backward runs, rather than in its own iteration.
   """
 
   group: comm.Group
@@ -155,6 +171,7 @@ class _Stack(NamedTuple):
   shards: tuple[int, ...]
   length: int
   policy: Callable[..., bool]
+  defer: bool
 
   def opened(self, values: list[jax.Array], sinks: list[jax.Array]) -> list[jax.Array]:
     """One layer's full weights: gathered (stage 3) or read (stage 2), no derivative rule."""
@@ -205,7 +222,7 @@ def _checked(f: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, Any], t
   return checked
 
 
-def _prefetched(f, init, leaves, treedef, shard_positions, policy):
+def _prefetched(f, init, leaves, treedef, shard_positions, policy, defer_reductions):
   shards = [leaves[i] for i in shard_positions]
   others = [x for i, x in enumerate(leaves) if i not in shard_positions]
   length = shards[0].value.shape[0]
@@ -223,6 +240,7 @@ def _prefetched(f, init, leaves, treedef, shard_positions, policy):
     tuple(shard_positions),
     length,
     collectives.except_gathered(policy),
+    defer_reductions,
   )
   values = [s.value for s in shards]
   sinks = [s.sink for s in shards] if stack.reads else []
@@ -338,14 +356,22 @@ def _backward_rule(body, stack: _Stack, residuals, cotangents):
     return dcarry, dweights, dconsts, dothers
 
   def store(grads, dweights, i):
+    """``grads`` with layer ``i``'s reduced gradient in (no-op for no gradient)."""
+    if not dweights:
+      return grads
     return [
       jax.lax.dynamic_update_index_in_dim(g, r, i, 0)
       for g, r in zip(grads, stack.reduced(dweights), strict=True)
     ]
 
+  def settle(grads, dweights, i):
+    """``(grads, pending)``: layer ``i``'s gradient reduced now, or left for the next iteration."""
+    return (grads, dweights) if stack.defer else (store(grads, dweights, i), [])
+
   # The last layer, with the weights the forward pass ended with.
   upcoming = stack.opened(_at(values, last - 1), _at(sinks, last - 1)) if last else weights
-  dcarry, pending, dconsts, dothers = layer_vjp(pullback, weights, last, dcarry, dconsts, dothers)
+  dcarry, dweights, dconsts, dothers = layer_vjp(pullback, weights, last, dcarry, dconsts, dothers)
+  grads, pending = settle(grads, dweights, last)
 
   def step(state, i):
     dcarry, weights, pending, dconsts, dothers, grads = state
@@ -353,7 +379,8 @@ def _backward_rule(body, stack: _Stack, residuals, cotangents):
     grads = store(grads, pending, i + 1)  # layer i+1's gradient, one iteration late
     layer = jax.tree.map(lambda r: r[i], pullbacks)
     dcarry, dweights, dconsts, dothers = layer_vjp(layer, weights, i, dcarry, dconsts, dothers)
-    return (dcarry, upcoming, dweights, dconsts, dothers, grads), None
+    grads, pending = settle(grads, dweights, i)
+    return (dcarry, upcoming, pending, dconsts, dothers, grads), None
 
   if last:
     middle = jnp.arange(1, last)
