@@ -335,7 +335,7 @@ def test_a_collective_that_lost_its_peer_ends_the_process_in_one_line():
     timeout=60,
     env=environment.subprocess_env(JAX_PLATFORMS="cpu"),
   )
-  assert done.returncode == 1
+  assert done.returncode == distributed.PEER_LOST_EXIT_CODE
   lines = [line for line in done.stderr.splitlines() if "zerojax" in line or "Traceback" in line]
   assert lines == [
     "zerojax: process 0 stopped: a collective lost another process (RuntimeError: UNKNOWN: Gloo "

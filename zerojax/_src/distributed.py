@@ -42,6 +42,9 @@ INITIALIZATION_TIMEOUT = "ZEROJAX_INITIALIZATION_TIMEOUT"
 DEFAULT_INITIALIZATION_TIMEOUT = 300
 #: The exit status of a process whose peers did not all join within ``initialization_timeout``.
 NOT_JOINED_EXIT_CODE = 3
+#: The exit status of a process whose collective failed because another process went away
+#: (BSD's EX_PROTOCOL): a consequence, which the launcher blames on the process that went away.
+PEER_LOST_EXIT_CODE = 76
 #: Seconds of waiting to join after which a process says what it waits for.
 _SAY_WAITING_AFTER = 10
 #: Seconds without a heartbeat after which a process counts as dead and every
@@ -251,12 +254,14 @@ def _exit_at_once_on_uncaught_exceptions() -> None:
   checkpoints before it are whole.
 
   A process whose collective failed because another process went away says
-  so in one line instead of its traceback, which only repeats that: the
-  process that failed first prints the cause.
+  so in one line instead of its traceback, which only repeats that, and exits
+  with ``PEER_LOST_EXIT_CODE`` (76): the process that failed first prints the
+  cause, and ``zerojax.launch`` reports that one.
   """
   previous = sys.excepthook
 
   def excepthook(kind, error, traceback):
+    status = 1
     if any(sign in str(error) for sign in _PEER_LOST):
       first = str(error).strip().splitlines()[0]
       print(
@@ -264,11 +269,12 @@ def _exit_at_once_on_uncaught_exceptions() -> None:
         f"({kind.__name__}: {first}); the process that failed first says why.",
         file=sys.stderr,
       )
+      status = PEER_LOST_EXIT_CODE
     else:
       previous(kind, error, traceback)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(status)
 
   sys.excepthook = excepthook
 

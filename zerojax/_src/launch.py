@@ -29,6 +29,8 @@ ATTEMPT = "ZEROJAX_ATTEMPT"
 #: Seconds between SIGTERM and SIGKILL when stopping processes.
 DEFAULT_GRACE_PERIOD = 5.0
 _POLL_SECONDS = 0.05
+#: How long a process that lost a peer waits to be explained by that peer's own failure.
+_CAUSE_WAIT_SECONDS = 2.0
 #: With ``min_processes``: a process that ended this many attempts in a row counts as lost.
 DROP_AFTER = 2
 #: What gloo prints on stdout for every group of processes it connects: noise, unless asked for.
@@ -516,13 +518,33 @@ def _wait(
       if code:
         if code == preemption.PREEMPTED_EXIT_CODE:
           return _preempted(group, process_id, grace_period, say)
-        return _failed(processes, codes, process_id, grace_period, say)
+        if code == distributed.PEER_LOST_EXIT_CODE:
+          process_id = _cause(group, process_id)
+        return _failed(processes, group.codes(), process_id, grace_period, say)
     if all(code == 0 for code in codes):
       return _Outcome(0, "succeeded")
     if deadline is not None and time.monotonic() > deadline:
       say(f"timed out after {timeout:g} s; stopping all {len(processes)} processes.")
       _stop(processes, grace_period)
       return _Outcome(124, "timed out")
+    time.sleep(_POLL_SECONDS)
+
+
+def _cause(group: _Group, consequence: int) -> int:
+  """The process whose death made ``consequence`` exit with ``PEER_LOST_EXIT_CODE``.
+
+  The one that went away has died by the time the others notice, but the
+  thread that waits on it may not have seen it yet: so wait a moment for a
+  failure other than a lost peer, and blame ``consequence`` only if none comes.
+  """
+  until = time.monotonic() + _CAUSE_WAIT_SECONDS
+  while True:
+    codes = group.codes()
+    for process_id in list(group.exit_order):
+      if codes[process_id] not in (0, None, distributed.PEER_LOST_EXIT_CODE):
+        return process_id
+    if time.monotonic() > until:
+      return consequence
     time.sleep(_POLL_SECONDS)
 
 
