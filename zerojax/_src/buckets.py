@@ -125,8 +125,9 @@ def _read_fwd(bucket, values, sinks):
 
 def _read_bwd(bucket, residuals, cotangents):
   del residuals
-  zeros = tuple(jnp.zeros(c.shape, c.dtype) for c in cotangents)
-  return zeros, tuple(reduce_scatter(bucket, cotangents))
+  # None: zero cotangents of the values' own types. Explicit zeros would lack
+  # their varying axes (the stage axis, inside zerojax.pipeline's stages).
+  return tuple(None for _ in cotangents), tuple(reduce_scatter(bucket, cotangents))
 
 
 _read.defvjp(_read_fwd, _read_bwd)

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from zerojax._src import buckets, quantize
 
@@ -287,6 +288,13 @@ def scatter(
   than the most major moves strided blocks, and XLA lays the whole array out
   again first, a second full-size copy of the gradient.
   """
+  spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
+  split = {name for entry in spec if entry is not None for name in _axes_of(entry)}
+  if split:
+    # Split over explicit mesh axes too (pipeline stages): reduce each piece
+    # where it lives, manual over those axes, as loops and collectives want.
+    each = lambda x: scatter(x, dim, axis_name, size, quantization)
+    return jax.shard_map(each, in_specs=P(*spec), out_specs=P(*spec), axis_names=split)(x)
   axis = x.ndim + dim
   if axis > 0 and x.ndim > 2:
     return jax.lax.map(lambda layer: scatter(layer, dim, axis_name, size, quantization), x)
@@ -298,3 +306,7 @@ def scatter(
     widths[axis] = (0, padding)
     x = jnp.pad(x, widths)
   return reduce_scatter(x, axis_name, axis, quantization)
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
