@@ -191,7 +191,10 @@ def default_shard_dim(
 
   The leading dimension of a leaf with two or more dimensions is never chosen:
   it is the layer dimension of stacked (scanned) weights, and a scan body must
-  see a whole layer's shard. Among the other dimensions, one that divides by
+  see a whole layer's shard. When another mesh axis splits that leading
+  dimension (pipeline stages: ``(stages, layers, ...)``), the next one is the
+  stage's layer dimension and is not chosen either, for three or more
+  dimensions. Among the other dimensions, one that divides by
   ``num_shards`` is preferred (no padding), and among those the most major
   (first). A dimension other mesh axes already split (``taken``) is shared
   only when no free one divides: the data axes then split it jointly, and it
@@ -215,12 +218,15 @@ def default_shard_dim(
     -2
     >>> zerojax.default_shard_dim((16, 512), 8, taken={1: 2})  # joins a tensor-parallel axis
     -1
+    >>> zerojax.default_shard_dim((2, 8, 512, 512), 8, taken={0: 2})  # pipeline stages' layers
+    -2
     >>> print(zerojax.default_shard_dim((4096, 1), 8))  # a Dense(1) kernel stays replicated
     None
   """
   ndim = len(shape)
   taken = taken or {}
-  candidates = [d for d in range(1 if ndim >= 2 else 0, ndim) if shape[d] > 1]
+  stacked = 2 if ndim >= 3 and 0 in taken else 1 if ndim >= 2 else 0  # leading layer dims
+  candidates = [d for d in range(stacked, ndim) if shape[d] > 1]
   if free_dims is not None:
     candidates = [d for d in candidates if d in free_dims]
   free = [d for d in candidates if d not in taken]
