@@ -17,6 +17,8 @@ from zerojax._src.grad import value_and_grad
 from zerojax._src.hlo import Collective, count_collectives, count_collectives_by_axes
 from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
 from zerojax._src.overlap import LoopCollectives, loop_collectives
+from zerojax._src.pipeline import pipeline
+from zerojax._src.pipeline_schedule import Timetable, pipeline_timetable
 from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
 from zerojax._src.preemption import PREEMPTED_EXIT_CODE, preemption_requested
 from zerojax._src.profile import StepProfile, profile
@@ -44,6 +46,7 @@ __all__ = (
   "Shard",
   "StateSpec",
   "StepProfile",
+  "Timetable",
   "ZeroState",
   "ZeroTransformation",
   "count_collectives",
@@ -61,6 +64,8 @@ __all__ = (
   "initialize",
   "load_params",
   "loop_collectives",
+  "pipeline",
+  "pipeline_timetable",
   "preemption_requested",
   "profile",
   "remat_policy",

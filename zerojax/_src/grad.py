@@ -114,6 +114,7 @@ class _ValueAndGrad:
 
   def __call__(self, params, *batch, opt_state=None):
     settings = self.settings
+    checks.not_manual(settings)
     plans = self.optimizer.plans(params)
     checks.params(params, plans.params, settings)
     checks.batch(batch, settings, self.microbatches)
