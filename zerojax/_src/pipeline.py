@@ -134,7 +134,7 @@ def pipeline(
     raise ValueError("loss_params= and targets= are read by loss_fn=...: pass loss_fn too.")
   if not isinstance(targets, tuple):
     raise ValueError(f"targets must be a tuple of arrays (or pytrees), got {_kind(targets)}.")
-  mesh = _mesh(axis_name, (stage_params, x))
+  mesh = mesh_of(axis_name, (stage_params, x))
   stages = mesh.shape[axis_name]
   _check_stage_params(stage_params, stages, axis_name)
   _check_microbatches(microbatches, x, targets)
@@ -155,8 +155,38 @@ def _arrays(tree: Any) -> list[Any]:
   return jax.tree.leaves(tree)
 
 
-def _mesh(axis_name: str, trees: Any) -> Any:
-  """The mesh in context (``jax.set_mesh``, or the one inside ``value_and_grad``), else the arrays'."""
+def stage_count(tree: Any, axis_name: str = "stage") -> int:
+  """The number of pipeline stages: the size of ``axis_name`` on the mesh of ``tree``.
+
+  The mesh is the one in context (``jax.set_mesh``, or the one inside
+  ``zerojax.value_and_grad``), else the one ``tree``'s arrays are placed on.
+  """
+  return mesh_of(axis_name, tree).shape[axis_name]
+
+
+def by_stage(tree: Any, axis_name: str = "stage") -> Any:
+  """Layers stacked ``(layers, ...)`` restacked ``(stages, layers per stage, ...)``.
+
+  ``zerojax.Shard`` s keep their facts (the sharded dimension counts from the
+  end). The stage axis splits the layers into contiguous blocks, so a stack
+  placed on it along its leading dimension stays where it is.
+  """
+  stages = stage_count(tree, axis_name)
+
+  def restack(path, a):
+    if a.shape[0] % stages:
+      raise ValueError(
+        f"layers{jax.tree_util.keystr(path)} stacks {a.shape[0]} layers, which the "
+        f"{stages} stages of the {axis_name!r} axis cannot share evenly: use a number of "
+        f"layers that divides by {stages}, or another number of stages."
+      )
+    return a.reshape(stages, a.shape[0] // stages, *a.shape[1:])
+
+  return jax.tree_util.tree_map_with_path(restack, tree)
+
+
+def mesh_of(axis_name: str, trees: Any) -> Any:
+  """The mesh in context (``jax.set_mesh``, or inside ``value_and_grad``), else the arrays'."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     for leaf in _arrays(trees):

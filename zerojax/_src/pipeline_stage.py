@@ -110,7 +110,7 @@ class Stage:
     return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:]), tree)
 
   def consts(self, x: Any, targets: tuple[Any, ...] = ()) -> dict[str, Any]:
-    """What every slot reads: both parts of the parameters, ``x``'s and the targets' micro-batches."""
+    """What every slot reads: both parts of the parameters, micro-batches of ``x`` and targets."""
     return {
       "wd": self.weights.diff,
       "wf": self.weights.fixed,
@@ -140,8 +140,12 @@ class Stage:
     stage that has it (the last stage's loss, the first stage's input
     gradient), now on every stage.
     """
-    mine = jax.tree.map(lambda v: jnp.where(where, v, jnp.zeros_like(v)), tree)
-    return jax.lax.psum(mine, self.config.axis_name)
+
+    def mine(v):  # summed in float32 or wider: XLA:CPU fails to compile a bfloat16 psum here
+      wide = jnp.where(where, v, jnp.zeros_like(v)).astype(jnp.promote_types(v.dtype, jnp.float32))
+      return jax.lax.psum(wide, self.config.axis_name).astype(v.dtype)
+
+    return jax.tree.map(mine, tree)
 
   def shift(self, tree: Any, direction: int) -> Any:
     """``tree`` from each stage to the next (``direction=1``) or the previous one (``-1``)."""
@@ -160,25 +164,27 @@ class Params:
   gradients once. Otherwise the shards themselves are passed on and only their
   differentiable part (stage 3's value, stage 2's gradient sink) is
   differentiated: its gradient arrives reduce-scattered, micro-batch by
-  micro-batch.
+  micro-batch. Integer and boolean leaves pass through, undifferentiated.
   """
 
   def __init__(self, tree: Any, reduce: str, opened: Callable[[Any], Any]):
     self.leaves, self.treedef = jax.tree.flatten(tree, is_leaf=is_shard)
+    self.trained = tuple(map(_trained, self.leaves))
     self.opened = reduce == "step" and any(map(is_shard, self.leaves))
+    self.fixed = self.leaves
     if self.opened:
       # Not differentiated here: the gather runs forward only, no reduce-scatter yet.
-      self.diff = [opened(a) for a in jax.tree.leaves(collectives.gather(tree))]
-      self.fixed: list[Any] = []
-    else:
-      self.diff = [_differentiable(leaf) for leaf in self.leaves]
-      self.fixed = self.leaves
+      full = jax.tree.leaves(collectives.gather(tree))
+      self.fixed = [opened(a) if t else a for a, t in zip(full, self.trained, strict=True)]
+    self.diff = [_differentiable(a) for a, t in zip(self.fixed, self.trained, strict=True) if t]
 
   def join(self, diff: list[Any], fixed: list[Any]) -> Any:
     """The parameters as the user's function receives them, from ``diff`` and ``fixed``."""
-    if self.opened:
-      return jax.tree.unflatten(self.treedef, diff)
-    return jax.tree.unflatten(self.treedef, _joined(fixed, diff))
+    return jax.tree.unflatten(self.treedef, self._joined(fixed, diff))
+
+  def _joined(self, leaves: list[Any], diff: list[Any]) -> list[Any]:
+    parts = iter(diff)
+    return [_with(a, next(parts)) if t else a for a, t in zip(leaves, self.trained, strict=True)]
 
   def accumulators(self, zeros: Callable[..., jax.Array]) -> list[jax.Array]:
     """Zeros to sum the micro-batches' gradients in, float32 or wider."""
@@ -186,23 +192,31 @@ class Params:
 
   def finish(self, sums: list[jax.Array]) -> Any:
     """The gradient of the parameters as given, from the summed gradients of ``diff``."""
+    trained = [a for a, t in zip(self.leaves, self.trained, strict=True) if t]
     if self.opened:
       # The transpose of the gather on stage-3 shards of the differentiable
       # parts, in the reduce dtype: the reduce-scatter either stage gives its
       # gradient, once per step. The gather itself goes unused.
-      wide = [_reducing(leaf) for leaf in self.leaves]
-      gathered = lambda diff: jax.tree.leaves(
-        collectives.gather(jax.tree.unflatten(self.treedef, _joined(wide, diff)))
-      )
-      full, reduce = jax.vjp(gathered, [_differentiable(leaf) for leaf in wide])
+      wide = [_reducing(a) for a in self.leaves]
+
+      def gathered(diff):
+        full = jax.tree.leaves(
+          collectives.gather(jax.tree.unflatten(self.treedef, self._joined(wide, diff)))
+        )
+        return [a for a, t in zip(full, self.trained, strict=True) if t]
+
+      parts = [_differentiable(a) for a, t in zip(wide, self.trained, strict=True) if t]
+      full, reduce = jax.vjp(gathered, parts)
       (sums,) = reduce([s.astype(f.dtype) for s, f in zip(sums, full, strict=True)])
-    return jax.tree.unflatten(
-      self.treedef,
-      [
-        _with(leaf, s.astype(_differentiable(leaf).dtype), cotangent=True)
-        for leaf, s in zip(self.leaves, sums, strict=True)
-      ],
+    grads = iter(
+      _with(a, s.astype(_differentiable(a).dtype), cotangent=True)
+      for a, s in zip(trained, sums, strict=True)
     )
+    return jax.tree.unflatten(self.treedef, [next(grads) if t else None for t in self.trained])
+
+
+def _trained(leaf: Any) -> bool:
+  return is_shard(leaf) or jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
 
 
 def _differentiable(leaf: Any) -> jax.Array:
@@ -219,10 +233,6 @@ def _with(leaf: Any, diff: Any, cotangent: bool = False) -> Any:
   if leaf.sink is None:
     return dataclasses.replace(leaf, value=diff)
   return dataclasses.replace(leaf, value=None if cotangent else leaf.value, sink=diff)
-
-
-def _joined(leaves: list[Any], diff: list[Any]) -> list[Any]:
-  return [_with(leaf, d) for leaf, d in zip(leaves, diff, strict=True)]
 
 
 def _reducing(leaf: Any) -> Any:
@@ -335,9 +345,18 @@ def _shapes(tree: Any) -> str:
   return ", ".join(f"{d}{list(s)}" for s, d in leaves)
 
 
+def _at(tree: Any, index: Any) -> Any:
+  """Entry ``index`` of the leading axis of every leaf (a dynamic slice, not a gather)."""
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
+
+
 def _masked(active: jax.Array, buffers: Any, values: Any, index: Any) -> Any:
   """``buffers`` with ``values`` written at ``index`` of their leading axes if ``active``."""
-  write = lambda b, v: b.at[index].set(jnp.where(active, v.astype(b.dtype), b[index]))
+
+  def write(buffer, value):
+    value = jnp.where(active, value.astype(buffer.dtype), _at(buffer, index))
+    return jax.lax.dynamic_update_index_in_dim(buffer, value, index, 0)
+
   return jax.tree.map(write, buffers, values)
 
 
@@ -368,8 +387,8 @@ def _ticks(stage: Stage, table: Timetable, consts, state, forward_slot, backward
 
 
 def _input(stage: Stage, state, consts, m):
-  """Micro-batch ``m``'s input to this stage: ``x``'s on the first stage, the one received elsewhere."""
-  return jax.tree.map(lambda x, a: jnp.where(stage.first, x[m], a), consts["xs"], state["act"])
+  """Micro-batch ``m``'s input: ``x``'s on the first stage, the activations received elsewhere."""
+  return jax.tree.map(lambda x, a: jnp.where(stage.first, x, a), _at(consts["xs"], m), state["act"])
 
 
 def fused_program(config: Config, weights, loss_params, x, targets):
@@ -400,9 +419,15 @@ def fused_program(config: Config, weights, loss_params, x, targets):
     h_out, stored = form.forward(stage, consts, _input(stage, state, consts, m))
     state["sent_act"] = h_out
     state["stored"] = _masked(active, state["stored"], stored, m % slots)
-    targets = jax.tree.map(lambda t: t[m], consts["ts"])
-    head = lambda d, h: config.loss_fn(stage.loss_params.join(d, consts["lf"]), h, *targets)
-    loss, (dl, dh) = jax.value_and_grad(head, argnums=(0, 1))(consts["ld"], h_out)
+    targets = _at(consts["ts"], m)
+
+    def head(diff, h):  # this micro-batch's share of the mean over micro-batches
+      loss = config.loss_fn(stage.loss_params.join(diff, consts["lf"]), h, *targets)
+      return loss / config.microbatches, loss
+
+    (_, loss), (dl, dh) = jax.value_and_grad(head, argnums=(0, 1), has_aux=True)(
+      consts["ld"], h_out
+    )
     mine = active & stage.last  # every stage computes the loss; the last one's counts
     state["losses"] = _masked(mine, state["losses"], loss.astype(jnp.float32), m)
     state["dys"] = _masked(mine, state["dys"], dh, m % slots)
@@ -411,8 +436,7 @@ def fused_program(config: Config, weights, loss_params, x, targets):
 
   def backward_slot(state, consts, m):
     state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    stored = [r[m % slots] for r in state["stored"]]
-    dys = jax.tree.map(lambda d: d[m % slots], state["dys"])
+    stored, dys = _at((state["stored"], state["dys"]), m % slots)
     cotangent = jax.tree.map(lambda d, c: jnp.where(stage.last, d, c), dys, state["cot"])
     dw, dh = form.pullback(consts, stored)(cotangent)
     state["gw"] = _added(active, state["gw"], dw)
@@ -474,8 +498,8 @@ def backward_program(config: Config, treedef, where, stored, weights, x, dy):
 
   def backward_slot(state, consts, m):
     state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    stored = [r[m] for r in state["stored"]]
-    cotangent = jax.tree.map(lambda d, c: jnp.where(stage.last, d[m], c), dys, state["cot"])
+    stored = _at(state["stored"], m)
+    cotangent = jax.tree.map(lambda d, c: jnp.where(stage.last, d, c), _at(dys, m), state["cot"])
     dw, dh = form.pullback(consts, stored)(cotangent)
     state["gw"] = _added(active, state["gw"], dw)
     state["dxs"] = _masked(active, state["dxs"], dh, m)
