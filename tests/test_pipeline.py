@@ -10,15 +10,18 @@ lands with the same layers stacked ``(layers, ...)``.
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+import zerojax.flax
 from tests.test_equivalence import assert_same_params
 from tests.test_precision import assert_trained_like
 
@@ -292,3 +295,102 @@ def test_layout_keeps_the_stage_and_layer_dimensions_whole():
   tx = zerojax.zero3(optimizer(), mesh=mesh)
   w = jax.device_put(jnp.ones((2, 4, 64, 64)), NamedSharding(mesh, P("stage")))
   assert tx.layout({"w": w}).tree()["w"].spec == ("stage", None, "data", None)
+
+
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return h + jnp.tanh(nn.Dense(HIDDEN)(h)) @ self.param(
+      "out", nn.initializers.lecun_normal(), (HIDDEN, WIDTH)
+    ), None
+
+
+class _Head(nn.Module):
+  @nn.compact
+  def __call__(self):
+    return self.param("kernel", nn.initializers.lecun_normal(), (WIDTH, 8))
+
+
+class _LinenModel(nn.Module):
+  pipelined: bool
+
+  @nn.compact
+  def __call__(self, x, y):
+    h = zerojax.flax.gathered(nn.Dense)(WIDTH, name="embed")(x)
+    head = zerojax.flax.gathered(_Head)(name="head")()
+    if not self.pipelined:
+      h, _ = zerojax.flax.scan(_Block, length=LAYERS)(name="layers")(h, None)
+      return jnp.mean((h @ head - y) ** 2)
+    layers = zerojax.flax.pipeline(
+      _Block, length=LAYERS, microbatches=MICROBATCHES, schedule="1f1b", reduce="microbatch"
+    )(name="layers")
+    loss_fn = lambda kernel, h, y: jnp.mean((h @ kernel - y) ** 2)
+    return layers(h, loss_fn=loss_fn, loss_params=head, targets=(y,))
+
+
+def _on_stages(tree, mesh):
+  """``tree`` placed on ``mesh``: stacked layers on the stage axis, the rest replicated."""
+  place = lambda path, x: jax.device_put(
+    x, NamedSharding(mesh, P("stage") if path[0].key == "layers" else P())
+  )
+  return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def test_linen_pipeline_computes_the_scanned_model_s_loss_and_gradients():
+  # zero3, 1f1b with the head inside, the shards handed to each stage's zerojax.scan.
+  x, y = make_batch()
+  params = _LinenModel(False).init(jax.random.key(0), x, y)["params"]
+  loss_fn = lambda params, x, y, pipelined: _LinenModel(pipelined).apply({"params": params}, x, y)
+  expected = jax.jit(jax.value_and_grad(loss_fn), static_argnums=3)(params, x, y, False)
+  mesh = make_mesh("stage=2,data=4", EXPLICIT)
+  tx = zerojax.zero3(optimizer(), mesh=mesh, min_shard_size=1)
+  with jax.set_mesh(mesh):
+    stored = tx.shard(_on_stages(params, mesh))
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    grad_fn = zerojax.value_and_grad(lambda p, x, y: loss_fn(p, x, y, True), tx)
+    loss, grads = jax.jit(grad_fn)(stored, *batch)
+  assert float(loss) == pytest.approx(float(expected[0]), rel=1e-6)
+  assert_same_params(tx.gather(grads), expected[1])
+
+
+def test_nnx_pipeline_computes_the_stack_s_loss_and_gradients():
+  # zero2 on Auto axes, GPipe with the head after the pipeline, under nnx_value_and_grad.
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Linear(12, WIDTH, rngs=rngs)
+      self.layers = nnx.vmap(lambda r: nnx.Linear(WIDTH, WIDTH, rngs=r))(rngs.split(LAYERS))
+      self.head = nnx.Linear(WIDTH, 8, rngs=rngs)
+
+    def __call__(self, x, pipelined):
+      h = zerojax.flax.nnx_gathered(self.embed)(x)
+      step = lambda layer, h: jnp.tanh(layer(h))
+      if pipelined:
+        h = zerojax.flax.nnx_pipeline(step, self.layers, h, microbatches=MICROBATCHES)
+      else:
+        h = zerojax.flax.nnx_scan(lambda layer, h, _: (step(layer, h), None), self.layers, h)[0]
+      return zerojax.flax.nnx_gathered(self.head)(h)
+
+  def loss_fn(model, x, y, pipelined=False):
+    return jnp.mean((model(x, pipelined) - y) ** 2)
+
+  x, y = make_batch()
+  model = Model(nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  expected_loss, expected = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), x, y))(
+    params
+  )
+  mesh = make_mesh("stage=2,data=4", AUTO)
+  tx = zerojax.zero2(optimizer(), mesh=mesh, min_shard_size=1)
+  with jax.set_mesh(mesh):
+    nnx.update(model, tx.shard(_on_stages(nnx.state(model, nnx.Param), mesh)))
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    grad_fn = zerojax.flax.nnx_value_and_grad(
+      lambda m, x, y: loss_fn(m, x, y, pipelined=True), tx, gather=False
+    )
+    loss, grads = nnx.jit(grad_fn)(model, *batch)
+  assert float(loss) == pytest.approx(float(expected_loss), rel=1e-6)
+  jax.tree.map(
+    lambda a, e: np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6),
+    jax.tree.leaves(tx.gather(grads)),
+    jax.tree.leaves(expected),
+  )

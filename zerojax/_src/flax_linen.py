@@ -236,7 +236,8 @@ def pipeline(
   class Pipelined(stacked):
     def __call__(self, carry, *, loss_fn=None, loss_params=None, targets=()):
       if self.is_initializing():
-        return super().__call__(carry, None)[0]
+        h = super().__call__(carry, None)[0]
+        return h if loss_fn is None else loss_fn(loss_params, h, *targets)
       block = target(**{name: getattr(self, name) for name in fields}, parent=None)
 
       def stage_fn(params, h):
