@@ -180,7 +180,7 @@ def pipeline(
   microbatches: int,
   schedule: str = "gpipe",
   axis_name: str = "stage",
-  reduce: str = "step",
+  reduce: str | None = None,
   prefetch: int = 1,
 ) -> type[nn.Module]:
   """``nn.scan`` of a layer whose stack runs as a pipeline over the ``axis_name`` mesh axis.

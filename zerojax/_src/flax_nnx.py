@@ -183,7 +183,7 @@ def nnx_pipeline(
   loss_params: Any = None,
   targets: tuple[Any, ...] = (),
   axis_name: str = "stage",
-  reduce: str = "step",
+  reduce: str | None = None,
   prefetch: int = 1,
 ) -> Any:
   """``zerojax.pipeline`` over a stack of NNX layers (a module with stacked state, ``nnx.vmap``).

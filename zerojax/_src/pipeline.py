@@ -21,15 +21,17 @@ backward pass is run here, slot by slot, from each micro-batch's saved VJP.
   once the rest of the model has given the output's cotangent.
 
 Inside ``zerojax.value_and_grad`` the stage parameters may be ``zerojax.Shard``
-s (stages 2 and 3). With ``reduce="step"`` each stage's weights are opened once
-per step (gathered at stage 3, read at stage 2), the micro-batches' gradients
-summed at full size in the reduce dtype and reduce-scattered once, after the
-last backward pass: one all-gather and one reduce-scatter per step instead of
-one per micro-batch, for a full-size gradient (and, at stage 3, the stage's
-gathered weights) held during the step. With ``reduce="microbatch"`` the stage
-function receives the shards (``zerojax.scan`` gathers them a layer at a time,
-one layer ahead) and each micro-batch's gradient is reduce-scattered as its
-backward pass produces it: ZeRO's memory, ``M`` times the traffic.
+s (stages 2 and 3). Reducing once per step (``reduce="step"``, stage 2's
+default) each stage's weights are opened once per step (gathered at stage 3,
+read at stage 2), the micro-batches' gradients summed at full size in the
+reduce dtype and reduce-scattered once, after the last backward pass: one
+reduce-scatter (and at stage 3 one all-gather) per step instead of one per
+micro-batch, for a stage's whole gradient (and, at stage 3, its gathered
+weights) held during the step. With ``reduce="microbatch"`` (stage 3's
+default) the stage function receives the shards (``zerojax.scan`` gathers
+them a layer at a time, one layer ahead) and each micro-batch's gradient is
+reduce-scattered as its backward pass produces it: ZeRO's memory, ``M`` times
+the traffic.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._src import pipeline_stage
 from zerojax._src.pipeline_schedule import check_schedule
-from zerojax._src.pipeline_stage import REDUCTIONS, Config, is_shard
+from zerojax._src.pipeline_stage import Config, is_shard, reduces_once
 
 
 def pipeline(
@@ -60,7 +62,7 @@ def pipeline(
   loss_params: Any = None,
   targets: tuple[Any, ...] = (),
   axis_name: str = "stage",
-  reduce: str = "step",
+  reduce: str | None = None,
 ) -> Any:
   """Runs ``stage_fn`` as a pipeline over the ``axis_name`` mesh axis, micro-batch by micro-batch.
 
@@ -99,8 +101,10 @@ def pipeline(
     targets: arrays ``loss_fn`` reads, split into micro-batches like ``x``.
     axis_name: the mesh axis of the stages.
     reduce: ``"step"`` to reduce-scatter sharded stage gradients once per step,
-      ``"microbatch"`` to reduce-scatter each micro-batch's (stages 2 and 3;
-      see the module docs for what each costs).
+      ``"microbatch"`` to reduce-scatter each micro-batch's (stages 2 and 3),
+      ``None`` for the stage's default: once per step at stage 2, where it
+      holds a stage's whole gradient as stage 1 does; per micro-batch at stage
+      3, which would otherwise hold the stage's gathered weights as well.
 
   Returns:
     The last stage's output for ``x``, or the mean loss with ``loss_fn``.
@@ -119,11 +123,7 @@ def pipeline(
     (8, 16)
   """
   check_schedule(schedule)
-  if reduce not in REDUCTIONS:
-    raise ValueError(
-      f"reduce must be 'step' (one reduce-scatter per step) or 'microbatch' (one per "
-      f"micro-batch), got {reduce!r}."
-    )
+  reduces_once(reduce, splits_params=True)  # raises for anything else
   if loss_fn is None and schedule != "gpipe":
     raise ValueError(
       f"schedule={schedule!r} runs a micro-batch's backward pass before later micro-batches' "

@@ -37,6 +37,24 @@ from zerojax._src.pipeline_schedule import Timetable, pipeline_timetable
 REDUCTIONS = ("step", "microbatch")
 
 
+def reduces_once(reduce: str | None, splits_params: bool) -> bool:
+  """Whether gradients are reduce-scattered once per step: ``reduce``, or the stage's default.
+
+  By default stage 2 reduces once per step (a stage's whole gradient held
+  during the step, as stage 1 holds it) and stage 3 once per micro-batch
+  (reducing once would also hold the stage's gathered weights for the step).
+
+  Raises:
+    ValueError: for a ``reduce`` that is not ``"step"``, ``"microbatch"`` or ``None``.
+  """
+  if reduce not in (*REDUCTIONS, None):
+    raise ValueError(
+      f"reduce must be 'step' (one reduce-scatter per step), 'microbatch' (one per "
+      f"micro-batch) or None (the stage's default), got {reduce!r}."
+    )
+  return reduce == "step" or (reduce is None and not splits_params)
+
+
 class Config(NamedTuple):
   """What one pipeline is, as static (hashable) facts."""
 
@@ -46,7 +64,7 @@ class Config(NamedTuple):
   mesh: Any
   schedule: str
   microbatches: int
-  reduce: str
+  reduce: str | None
 
   @property
   def stages(self) -> int:
@@ -158,7 +176,8 @@ class Params:
   """A stage's (or the head's) parameters, and what their gradient is taken with respect to.
 
   ``diff`` are the differentiated arrays and ``join(diff, fixed)`` the
-  parameters the user's function receives. With ``reduce="step"`` the
+  parameters the user's function receives. Reducing once per step
+  (``reduces_once``), the
   ``zerojax.Shard`` s are opened first (gathered or read, once per step) and
   the full arrays differentiated; ``finish`` reduce-scatters their summed
   gradients once. Otherwise the shards themselves are passed on and only their
@@ -167,10 +186,12 @@ class Params:
   micro-batch. Integer and boolean leaves pass through, undifferentiated.
   """
 
-  def __init__(self, tree: Any, reduce: str, opened: Callable[[Any], Any]):
+  def __init__(self, tree: Any, reduce: str | None, opened: Callable[[Any], Any]):
     self.leaves, self.treedef = jax.tree.flatten(tree, is_leaf=is_shard)
     self.trained = tuple(map(_trained, self.leaves))
-    self.opened = reduce == "step" and any(map(is_shard, self.leaves))
+    shards = [leaf for leaf in self.leaves if is_shard(leaf)]
+    stage3 = any(shard.sink is None for shard in shards)
+    self.opened = bool(shards) and reduces_once(reduce, stage3)
     self.fixed = self.leaves
     if self.opened:
       # Not differentiated here: the gather runs forward only, no reduce-scatter yet.
