@@ -1,11 +1,13 @@
-"""``zerojax.scan``: gathers one layer ahead, reductions one layer behind, one collective each.
+"""``zerojax.scan``: gathers one layer ahead, reductions one layer behind, a collective per leaf.
 
-Read from the optimized HLO (``zerojax.loop_collectives``), since on CPU the
+Read from the optimized HLO (``zerojax.diagnostics.loop_collectives``), since on CPU the
 collectives are synchronous and overlap cannot be timed.
 """
 
 import functools
+import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 from jax.sharding import AxisType
 
 import zerojax
+from tests.helpers import ROUNDING, rounding
 
 LAYERS, D, F = 5, 40, 56
 LEAVES_PER_LAYER = 6
@@ -96,7 +99,7 @@ def compiled(stage, prefetch, microbatches=1, **options):
 
 def layer_loops(compiled_step):
   """The loops that gather or reduce (the layer loops; micro-batch loops hold them)."""
-  return [loop for loop in zerojax.loop_collectives(compiled_step) if loop.gathers]
+  return [loop for loop in zerojax.diagnostics.loop_collectives(compiled_step) if loop.gathers]
 
 
 @pytest.mark.parametrize(
@@ -115,8 +118,8 @@ def test_prefetched_loops_compute_only_what_the_previous_iteration_gathered(opti
 @pytest.mark.parametrize("options", [{}, {"quantized_weights": "int8"}], ids=["fp32", "int8"])
 def test_the_check_fails_on_a_serialised_scan(options):
   forward, backward = layer_loops(compiled(3, 0, **options))
-  assert forward.waiting_gathers == 1 and backward.waiting_gathers == 1
-  assert backward.waiting_reductions == 1
+  assert forward.waiting_gathers > 0 and backward.waiting_gathers > 0
+  assert backward.waiting_reductions > 0
 
 
 @pytest.mark.parametrize(
@@ -124,32 +127,51 @@ def test_the_check_fails_on_a_serialised_scan(options):
   [{}, {"precision": "bf16"}, {"quantized_weights": "int8", "quantized_gradients": "int8"}],
   ids=["fp32", "bf16", "int8"],
 )
-def test_one_gather_and_one_reduction_per_layer_whatever_the_number_of_leaves(options):
+def test_each_leaf_moves_in_collectives_of_its_own_without_a_byte_copy(options):
+  # A weight moves as itself (quantized: its codes and its scales), so that no
+  # layer-sized buffer is packed or cut apart; XLA's combiners merge them on
+  # GPUs and TPUs (tests/test_accelerators.py). The backward pass gathers only
+  # the weights its VJP reads (here not the biases and shift, which only add).
   forward, backward = layer_loops(compiled(3, 1, **options))
-  assert (forward.gathers, forward.reductions) == (1, 0)
-  assert (backward.gathers, backward.reductions) == (1, 1)
+  parts = 2 if options.get("quantized_weights") else 1
+  assert (forward.gathers, forward.reductions) == (LEAVES_PER_LAYER * parts, 0)
+  assert 0 < backward.gathers < forward.gathers
+  assert backward.reductions == LEAVES_PER_LAYER * parts
+  text = compiled(3, 1, **options).as_text()
+  moved = re.findall(r"= (\w+)\[[^\]]*\][^=]*? (?:all-gather|reduce-scatter|all-to-all)\(", text)
+  assert moved and "u8" not in moved, moved
 
 
 def test_stage_2_defers_the_reduction_and_gathers_nothing():
-  loops = zerojax.loop_collectives(compiled(2, 1))
-  assert [(loop.gathers, loop.reductions, loop.waiting_reductions) for loop in loops] == [(0, 1, 0)]
-  serial = zerojax.loop_collectives(compiled(2, 0))
-  assert [(loop.reductions, loop.waiting_reductions) for loop in serial] == [(1, 1)]
+  loops = zerojax.diagnostics.loop_collectives(compiled(2, 1))
+  summary = [(loop.gathers, loop.reductions, loop.waiting_reductions) for loop in loops]
+  assert summary == [(0, LEAVES_PER_LAYER, 0)]
+  (serial,) = zerojax.diagnostics.loop_collectives(compiled(2, 0))
+  assert serial.reductions == LEAVES_PER_LAYER and serial.waiting_reductions > 0
 
 
 def test_micro_batches_prefetch_inside_each_micro_batch():
   loops = layer_loops(compiled(3, 1, microbatches=2))
-  # The micro-batch loop holds the layer loops, the gather of the parameters
+  # The micro-batch loop holds the layer loops, the gathers of the parameters
   # outside the layers, and the reductions the layer loops leave to the end.
-  layers = [loop for loop in loops if (loop.gathers, loop.reductions) in {(1, 0), (1, 1)}]
-  assert len(layers) == 2 and len(loops) == 3
+  assert len(loops) == 3
+  forward, backward = layer_loops(compiled(3, 1))
+  layers = loops[:2]
+  assert [(loop.gathers, loop.reductions) for loop in layers] == [
+    (forward.gathers, 0),
+    (backward.gathers, LEAVES_PER_LAYER),
+  ]
   assert all(loop.waiting_gathers == loop.waiting_reductions == 0 for loop in layers)
 
 
 def test_the_forward_pass_hands_the_last_layer_to_the_backward_pass():
-  # prefetch=0 gathers each layer once per pass; prefetch=1 keeps the last one.
-  gathers = {p: zerojax.count_collectives(compiled(3, p))["all-gather"].count for p in (0, 1)}
-  assert gathers[0] - gathers[1] == 1
+  # prefetch=0 gathers each layer once per pass; prefetch=1 keeps the last one,
+  # so it makes one layer's backward gathers fewer.
+  gathers = {
+    p: zerojax.diagnostics.count_collectives(compiled(3, p))["all-gather"].count for p in (0, 1)
+  }
+  _, backward = layer_loops(compiled(3, 1))
+  assert gathers[0] - gathers[1] == backward.gathers > 0
 
 
 def train(stage, prefetch, steps, mesh_kind="explicit", **options):
@@ -180,14 +202,14 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.users_compiler
 @pytest.mark.parametrize(("stage", "mesh_kind", "options"), CONFIGS, ids=str)
-def test_prefetch_changes_no_number(stage, mesh_kind, options):
-  serial, serial_loss = train(stage, 0, 20, mesh_kind, **options)
-  prefetched, loss = train(stage, 1, 20, mesh_kind, **options)
-  assert loss == pytest.approx(serial_loss, rel=1e-5)
-  for a, b in zip(jax.tree.leaves(prefetched), jax.tree.leaves(serial), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+def test_prefetch_changes_no_number_beyond_rounding(stage, mesh_kind, options):
+  # The prefetching loop is another program than prefetch=0's, which XLA may fuse
+  # and round otherwise: after 20 steps the two agree to the rounding of their
+  # compute dtype (docs/performance.md).
+  serial = train(stage, 0, 20, mesh_kind, **options)
+  prefetched = train(stage, 1, 20, mesh_kind, **options)
+  chex.assert_trees_all_close(prefetched, serial, **rounding(options.get("precision")))
 
 
 def test_prefetch_changes_no_number_beyond_quantization():
@@ -220,8 +242,7 @@ def test_prefetch_trains_like_plain_optax():
     updates, state = reference.update(grad(params, *batch), state, params)
     params = optax.apply_updates(params, updates)
   trained, _ = train(3, 1, 3)
-  for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(params), strict=True):
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+  chex.assert_trees_all_close(trained, params, **ROUNDING)
 
 
 def test_temporaries_grow_by_at_most_two_layers():
@@ -245,3 +266,30 @@ def test_outside_value_and_grad_it_is_a_plain_scan():
 def test_bad_arguments(call, message):
   with pytest.raises(ValueError, match=message):
     call()
+
+
+def _temporaries_of_a_casting_stack(layers, prefetch, policy):
+  """Temporaries of a stage-3 step whose layer casts and transposes its weight (1 MiB)."""
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=make_mesh("explicit"))
+  params = tx.shard({"w": jnp.full((layers, 512, 512), 0.01)})
+
+  def loss(params, x):
+    layer = lambda h, w: (jnp.tanh(h @ w.T.astype(jnp.bfloat16)).astype(jnp.float32), None)
+    return jnp.mean(zerojax.scan(layer, x, params["w"], prefetch=prefetch, policy=policy)[0])
+
+  grad_fn = jax.jit(zerojax.value_and_grad(loss, tx))
+  compiled = grad_fn.lower(params, jnp.ones((16, 512))).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize(
+  ("prefetch", "policy"),
+  [(1, None), (1, jax.checkpoint_policies.everything_saveable), (0, None)],
+  ids=["prefetch-default", "prefetch-everything", "serial-default"],
+)
+def test_nothing_computed_from_the_weights_alone_is_saved_per_layer(prefetch, policy):
+  # A bf16 copy of each layer's transposed weight would be 0.5 MiB per layer; the
+  # activations a layer saves are 16 x 512 floats (32 KiB at most).
+  grow = _temporaries_of_a_casting_stack(8, prefetch, policy)
+  grow -= _temporaries_of_a_casting_stack(4, prefetch, policy)
+  assert grow < 4 * 2**17, grow  # under a quarter of a bf16 weight per layer

@@ -10,6 +10,7 @@ lands with the same layers stacked ``(layers, ...)``.
 
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 import zerojax.flax
-from tests.test_equivalence import assert_same_params
-from tests.test_precision import assert_trained_like
+from tests.helpers import ROUNDING
 
 LAYERS, WIDTH, HIDDEN, BATCH, MICROBATCHES, STEPS = 8, 16, 32, 16, 4, 20
 MESHES = {
@@ -224,9 +224,13 @@ def test_trains_like_one_device(case):
   # bf16: within 5% of each leaf's movement, as mixed precision by hand (measured: 1.5%).
   full, precision = trained(*case)[0], case[3]
   if precision == "fp32":
-    assert_same_params(full, reference("fp32"))
+    chex.assert_trees_all_close(full, reference("fp32"), **ROUNDING)
   else:
-    assert_trained_like(full, reference("bf16"), make_params())
+    for a, e, i in zip(
+      *map(jax.tree.leaves, (full, reference("bf16"), make_params())), strict=True
+    ):
+      moved = float(np.max(np.abs(np.asarray(e) - np.asarray(i))))
+      chex.assert_trees_all_close(a, e, rtol=0, atol=0.05 * moved)
 
 
 def compiled_step(stage, schedule, reduce, microbatches, rows=BATCH):
@@ -253,7 +257,9 @@ def compiled_step(stage, schedule, reduce, microbatches, rows=BATCH):
 def test_reduce_step_reduce_scatters_stage_gradients_once_per_step():
   # Stage 3: with reduce="step" the count of reduce-scatters does not grow with the
   # micro-batches; with "microbatch" each micro-batch's backward pass reduces its layers.
-  count = lambda *args: zerojax.count_collectives(compiled_step(3, *args))["reduce-scatter"].count
+  count = lambda *args: (
+    zerojax.diagnostics.count_collectives(compiled_step(3, *args))["reduce-scatter"].count
+  )
   once = count("1f1b", "step", 2)
   assert count("1f1b", "step", 4) == once
   per_microbatch = count("1f1b", "microbatch", 4)
@@ -350,7 +356,7 @@ def test_linen_pipeline_computes_the_scanned_model_s_loss_and_gradients():
     grad_fn = zerojax.value_and_grad(lambda p, x, y: loss_fn(p, x, y, True), tx)
     loss, grads = jax.jit(grad_fn)(stored, *batch)
   assert float(loss) == pytest.approx(float(expected[0]), rel=1e-6)
-  assert_same_params(tx.gather(grads), expected[1])
+  chex.assert_trees_all_close(tx.gather(grads), expected[1], **ROUNDING)
 
 
 def test_nnx_pipeline_computes_the_stack_s_loss_and_gradients():
@@ -389,10 +395,8 @@ def test_nnx_pipeline_computes_the_stack_s_loss_and_gradients():
     )
     loss, grads = nnx.jit(grad_fn)(model, *batch)
   assert float(loss) == pytest.approx(float(expected_loss), rel=1e-6)
-  jax.tree.map(
-    lambda a, e: np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6),
-    jax.tree.leaves(tx.gather(grads)),
-    jax.tree.leaves(expected),
+  chex.assert_trees_all_close(
+    jax.tree.leaves(tx.gather(grads)), jax.tree.leaves(expected), **ROUNDING
   )
 
 

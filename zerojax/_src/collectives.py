@@ -17,24 +17,44 @@ before the reduce-scatter, and the result to the master dtype. With
 quantization (``quantized_weights``, ``quantized_gradients``) the all-gather
 moves block-quantized integers instead, and the reduce-scatter becomes an
 all-to-all of quantized chunks summed in float32 (see ``quantize.py``). The
-shards opened together move together, one collective each way
-(``buckets.py``).
+shards of one ``gather`` call are opened together, their collectives issued
+side by side for XLA to combine (``comm.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
-from zerojax._src import buckets, quantize
+from zerojax._src import comm, quantize
 
 #: ``jax.checkpoint_name`` of every array ``gather`` returns.
 GATHERED = "zerojax_gathered"
+
+
+#: Primitives that only cast, move or re-lay out their operand: as cheap to
+#: recompute as to read back, and on a gathered weight as large as the layer.
+_LAYOUT = frozenset(
+  {
+    "bitcast_convert_type",
+    "broadcast_in_dim",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "expand_dims",
+    "reduce_precision",
+    "reshape",
+    "rev",
+    "slice",
+    "squeeze",
+    "transpose",
+  }
+)
 
 
 def remat_policy(primitive, *_, **params) -> bool:
@@ -43,20 +63,54 @@ def remat_policy(primitive, *_, **params) -> bool:
   With it, a checkpointed layer re-gathers its weights in the backward pass
   instead of keeping every layer's gathered weights alive from the forward
   pass to the backward pass, which would hold the whole model on each device.
-  Slices and casts are not saved either: they are free to recompute, and the
-  slice that removes padding (stage 3) or the cast that reads a replicated
-  weight (stage 2) would otherwise keep a full weight alive.
+  Casts, transposes, reshapes and slices are not saved either, of any value:
+  they are as cheap to recompute as to read back, and of a weight (a layer
+  that computes with ``w.T`` or ``w.astype(jnp.bfloat16)``, the slice that
+  removes stage 3's padding, the cast that reads stage 2's replicated copy)
+  they would keep a copy of every layer alive until the backward pass.
 
   Example:
     >>> import jax, zerojax
     >>> body = jax.checkpoint(lambda h, w: h @ zerojax.gather(w), policy=zerojax.remat_policy)
   """
   name = primitive.name
-  if name.startswith("all_gather") or name == "slice":
+  if name.startswith("all_gather") or name in _LAYOUT:
     return False
   if name == "custom_vjp_call" and _reads(params["call_jaxpr"]):
     return False
   return not (name == "name" and params.get("name") == GATHERED)
+
+
+def except_gathered(policy: Callable[..., bool] | None) -> Callable[..., bool]:
+  """A ``jax.checkpoint`` policy: ``policy``'s choices, never saving a gathered parameter.
+
+  Use it to pick what a checkpointed layer that calls ``zerojax.gather`` saves
+  for the backward pass (``zerojax.scan`` takes ``policy=`` and does this
+  itself). The gathered weights, the slices and casts that open them, are
+  never saved, so the backward pass gathers the layer again instead of keeping
+  every layer whole until then. ``None`` gives ``zerojax.remat_policy``, which
+  saves everything else.
+
+  Args:
+    policy: a policy of ``jax.checkpoint_policies``, or ``None``.
+
+  Returns:
+    The policy.
+
+  Example:
+    Matmul outputs saved, everything else recomputed, the layer gathered again:
+
+    >>> import jax, zerojax
+    >>> policy = zerojax.except_gathered(jax.checkpoint_policies.dots_saveable)
+    >>> body = jax.checkpoint(lambda h, w: h @ zerojax.gather(w), policy=policy)
+  """
+  if policy is None:
+    return remat_policy
+
+  def saved(primitive, *args, **params) -> bool:
+    return remat_policy(primitive, *args, **params) and policy(primitive, *args, **params)
+
+  return saved
 
 
 #: What the forward passes of ``gather``'s custom VJPs consist of.
@@ -158,7 +212,7 @@ def gather(tree: Any) -> Any:
   groups: dict[Any, list[int]] = {}
   for index, leaf in enumerate(leaves):
     if isinstance(leaf, Shard):
-      groups.setdefault(_bucket_key(leaf), []).append(index)
+      groups.setdefault(_group_key(leaf), []).append(index)
   for indices in groups.values():
     for index, full in zip(indices, open_shards([leaves[i] for i in indices]), strict=True):
       leaves[index] = full
@@ -166,25 +220,26 @@ def gather(tree: Any) -> Any:
 
 
 def open_shards(shards: list[Shard]) -> list[jax.Array]:
-  """The full parameters of ``shards``, which share a bucket (see ``_bucket_key``).
+  """The full parameters of ``shards``, which share a group (see ``_group_key``).
 
-  Stage 3 gathers them with one all-gather; stage 2 reads its replicated
-  copies. Either way their gradients are reduce-scattered together.
+  Stage 3 gathers them, one all-gather each, issued together; stage 2 reads
+  its replicated copies. Either way their gradients are reduce-scattered
+  together.
   """
-  bucket = bucket_of(shards)
+  group = group_of(shards)
   values = [shard.value for shard in shards]
   if shards[0].sink is None:
-    fulls = buckets.gather(bucket, values)
+    fulls = comm.gather(group, values)
   else:
-    fulls = buckets.read(bucket, values, [shard.sink for shard in shards])
+    fulls = comm.read(group, values, [shard.sink for shard in shards])
   return [checkpoint_name(full, GATHERED) for full in fulls]
 
 
-def bucket_of(shards: list[Shard]) -> buckets.Bucket:
-  """The static ``Bucket`` that opens ``shards`` together."""
+def group_of(shards: list[Shard]) -> comm.Group:
+  """The static ``comm.Group`` that opens ``shards`` together."""
   first = shards[0]
-  return buckets.Bucket(
-    tuple(map(_piece, shards)),
+  return comm.Group(
+    tuple(map(_transfer, shards)),
     first.axis_name,
     first.replica_axes,
     first.quantized_weights,
@@ -192,8 +247,8 @@ def bucket_of(shards: list[Shard]) -> buckets.Bucket:
   )
 
 
-def _bucket_key(shard: Shard) -> tuple[Any, ...]:
-  """What shards must share to travel in one bucket: kind, axes and quantization."""
+def _group_key(shard: Shard) -> tuple[Any, ...]:
+  """What shards must share to be opened together: kind, axes and quantization."""
   return (
     shard.sink is None,
     shard.axis_name,
@@ -203,110 +258,18 @@ def _bucket_key(shard: Shard) -> tuple[Any, ...]:
   )
 
 
-def _piece(shard: Shard) -> buckets.Piece:
+def _transfer(shard: Shard) -> comm.Transfer:
   value = shard.value
   compute = jnp.dtype(shard.compute_dtype or value.dtype)
   if shard.sink is None:
     shard_shape, grad = value.shape, value.dtype
   else:  # stage 2: the replicated copy is already in the compute dtype
     shard_shape, grad = shard.sink.shape, shard.sink.dtype
-  return buckets.Piece(
+  return comm.Transfer(
     axis=value.ndim + shard.dim,
     size=shard.size,
     shard_shape=tuple(shard_shape),
     compute=compute,
     reduce=jnp.dtype(shard.reduce_dtype or compute),
     grad=jnp.dtype(grad),
-    quantized=not jnp.issubdtype(value.dtype, jnp.complexfloating),
   )
-
-
-def as_bits(x: jax.Array) -> jax.Array:
-  """``x``'s bits as unsigned integers of the same width, for moving it unchanged.
-
-  A collective on the bits moves exactly ``x``'s bytes: XLA cannot widen it
-  (XLA:CPU runs bfloat16 collectives in float32) or move a preceding
-  narrowing cast past it.
-  """
-  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
-  """The inverse of ``as_bits``."""
-  return jax.lax.bitcast_convert_type(bits, dtype)
-
-
-def reduce_scatter(
-  x: jax.Array, axis_name: Any, axis: int, quantization: quantize.Quantization | None = None
-) -> jax.Array:
-  """A tiled ``psum_scatter`` along ``axis``; with ``quantization``, ZeRO++'s quantized one.
-
-  The quantized reduction sums in float32 (or ``x``'s dtype, if wider).
-  """
-  if not _quantizable(x, quantization):
-    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
-  return quantize.reduce_scatter(x, axis_name, axis, quantization, _summed_in(x))
-
-
-def all_reduce(
-  x: jax.Array, axis_name: Any, quantization: quantize.Quantization | None = None
-) -> jax.Array:
-  """A ``psum``; with ``quantization``, a quantized reduce-scatter and all-gather."""
-  if not _quantizable(x, quantization):
-    return jax.lax.psum(x, axis_name)
-  return quantize.all_reduce(x, axis_name, quantization, _summed_in(x))
-
-
-def _quantizable(x: jax.Array, quantization: quantize.Quantization | None) -> bool:
-  """Whether ``x`` moves quantized: ``quantization`` is set and ``x`` is real.
-
-  Complex leaves move unquantized: a block's codes and scale are real numbers.
-  """
-  return quantization is not None and not jnp.issubdtype(x.dtype, jnp.complexfloating)
-
-
-def _summed_in(x: jax.Array) -> Any:
-  """The dtype a quantized reduction of ``x`` sums in: float32, or ``x``'s if wider."""
-  return jnp.promote_types(x.dtype, jnp.float32)
-
-
-def scatter(
-  x: jax.Array,
-  dim: int,
-  axis_name: Any,
-  size: int | None = None,
-  quantization: quantize.Quantization | None = None,
-) -> jax.Array:
-  """Reduce-scatters a full per-device array into this device's padded shard (a sum).
-
-  ``dim`` is zero-padded to ``size`` first (by default, to the next multiple of
-  the number of shards). With ``quantization`` the chunks move block-quantized
-  (see ``reduce_scatter``).
-
-  An array of stacked layers whose sharded dimension is not its first is
-  reduce-scattered one layer at a time: a collective over a dimension other
-  than the most major moves strided blocks, and XLA lays the whole array out
-  again first, a second full-size copy of the gradient.
-  """
-  spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
-  split = {name for entry in spec if entry is not None for name in _axes_of(entry)}
-  if split:
-    # Split over explicit mesh axes too (pipeline stages): reduce each piece
-    # where it lives, manual over those axes, as loops and collectives want.
-    each = lambda x: scatter(x, dim, axis_name, size, quantization)
-    return jax.shard_map(each, in_specs=P(*spec), out_specs=P(*spec), axis_names=split)(x)
-  axis = x.ndim + dim
-  if axis > 0 and x.ndim > 2:
-    return jax.lax.map(lambda layer: scatter(layer, dim, axis_name, size, quantization), x)
-  if size is None:
-    size = -(-x.shape[axis] // jax.lax.axis_size(axis_name)) * jax.lax.axis_size(axis_name)
-  padding = size - x.shape[axis]
-  if padding:
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, padding)
-    x = jnp.pad(x, widths)
-  return reduce_scatter(x, axis_name, axis, quantization)
-
-
-def _axes_of(entry: Any) -> tuple[str, ...]:
-  return tuple(entry) if isinstance(entry, tuple) else (entry,)

@@ -13,6 +13,7 @@ stages (``zerojax.pipeline``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -69,8 +70,10 @@ def gathered(target: Any) -> Any:
   return nn.map_variables(target, "params", trans_in_fn=collectives.gather, mutable=True)
 
 
-def remat_gathered(target: Any, **remat_kwargs: Any) -> Any:
-  """``gathered(target)`` under ``nn.remat`` with ``zerojax.remat_policy``.
+def remat_gathered(
+  target: Any, *, policy: Callable[..., bool] | None = None, **remat_kwargs: Any
+) -> Any:
+  """``gathered(target)`` under ``nn.remat``, never saving the gathered parameters.
 
   The checkpoint wraps the gather, so the backward pass gathers the module's
   parameters again instead of keeping them alive from the forward pass. Under
@@ -81,6 +84,8 @@ def remat_gathered(target: Any, **remat_kwargs: Any) -> Any:
 
   Args:
     target: a Linen ``Module`` class.
+    policy: a ``jax.checkpoint`` policy for the rest (see
+      ``zerojax.except_gathered``); by default everything else is saved.
     **remat_kwargs: other arguments of ``nn.remat`` (``prevent_cse``,
       ``static_argnums``, ``methods``).
 
@@ -102,10 +107,16 @@ def remat_gathered(target: Any, **remat_kwargs: Any) -> Any:
     >>> params["Dense_0"]["kernel"].shape
     (3, 32, 32)
   """
-  return nn.remat(gathered(target), policy=collectives.remat_policy, **remat_kwargs)
+  return nn.remat(gathered(target), policy=collectives.except_gathered(policy), **remat_kwargs)
 
 
-def scan(target: type[nn.Module], *, length: int, prefetch: int = 1) -> type[nn.Module]:
+def scan(
+  target: type[nn.Module],
+  *,
+  length: int,
+  prefetch: int = 1,
+  policy: Callable[..., bool] | None = None,
+) -> type[nn.Module]:
   """``nn.scan`` of a layer over stacked parameters, run by ``zerojax.scan``.
 
   ``zerojax.flax.scan(Block, length=n)`` is a module class that ``init`` s
@@ -126,6 +137,9 @@ def scan(target: type[nn.Module], *, length: int, prefetch: int = 1) -> type[nn.
     target: the Linen module class of one layer.
     length: the number of layers.
     prefetch: as for ``zerojax.scan``.
+    policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``
+      (``jax.checkpoint_policies.dots_saveable``, say); by default every value
+      but the gathered weights is saved.
 
   Returns:
     The module class.
@@ -167,7 +181,8 @@ def scan(target: type[nn.Module], *, length: int, prefetch: int = 1) -> type[nn.
         params, x = inputs
         return block.apply({"params": params}, carry, x)
 
-      return scan_lib.scan(layer, carry, (self.variables["params"], xs), prefetch=prefetch)
+      params = self.variables["params"]
+      return scan_lib.scan(layer, carry, (params, xs), prefetch=prefetch, policy=policy)
 
   Scanned.__name__ = Scanned.__qualname__ = f"Scan{target.__name__}"
   return Scanned
@@ -182,6 +197,7 @@ def pipeline(
   axis_name: str = "stage",
   reduce: str | None = None,
   prefetch: int = 1,
+  policy: Callable[..., bool] | None = None,
 ) -> type[nn.Module]:
   """``nn.scan`` of a layer whose stack runs as a pipeline over the ``axis_name`` mesh axis.
 
@@ -210,6 +226,7 @@ def pipeline(
     axis_name: the mesh axis of the stages.
     reduce: as for ``zerojax.pipeline``.
     prefetch: as for ``zerojax.scan``, inside each stage.
+    policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``.
 
   Returns:
     The module class.
@@ -242,7 +259,7 @@ def pipeline(
 
       def stage_fn(params, h):
         layer = lambda h, params: block.apply({"params": params}, h, None)
-        return scan_lib.scan(layer, h, params, prefetch=prefetch)[0]
+        return scan_lib.scan(layer, h, params, prefetch=prefetch, policy=policy)[0]
 
       return pipeline_lib.pipeline(
         stage_fn,

@@ -135,6 +135,7 @@ def nnx_scan(
   xs: Any = None,
   *,
   prefetch: int = 1,
+  policy: Callable[..., bool] | None = None,
 ) -> tuple[Any, Any]:
   """``zerojax.scan`` over a stack of NNX layers (one module with stacked state, from ``nnx.vmap``).
 
@@ -151,6 +152,7 @@ def nnx_scan(
     carry: the initial carry.
     xs: other per-layer inputs, each with a leading layer axis, or ``None``.
     prefetch: as for ``zerojax.scan``.
+    policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``.
 
   Returns:
     ``(carry, ys)``.
@@ -169,7 +171,7 @@ def nnx_scan(
     params, rest, x = inputs
     return f(nnx.merge(graphdef, params, rest), carry, x)
 
-  return scan_lib.scan(layer, carry, (params, rest, xs), prefetch=prefetch)
+  return scan_lib.scan(layer, carry, (params, rest, xs), prefetch=prefetch, policy=policy)
 
 
 def nnx_pipeline(
@@ -185,6 +187,7 @@ def nnx_pipeline(
   axis_name: str = "stage",
   reduce: str | None = None,
   prefetch: int = 1,
+  policy: Callable[..., bool] | None = None,
 ) -> Any:
   """``zerojax.pipeline`` over a stack of NNX layers (a module with stacked state, ``nnx.vmap``).
 
@@ -210,6 +213,7 @@ def nnx_pipeline(
     axis_name: the mesh axis of the stages.
     reduce: as for ``zerojax.pipeline``.
     prefetch: as for ``zerojax.scan``, inside each stage.
+    policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``.
 
   Returns:
     The last stage's output, or the mean loss with ``loss_fn``.
@@ -234,7 +238,7 @@ def nnx_pipeline(
     def layer(h, state):
       return f(nnx.merge(graphdef, *state), h), None
 
-    return scan_lib.scan(layer, h, state, prefetch=prefetch)[0]
+    return scan_lib.scan(layer, h, state, prefetch=prefetch, policy=policy)[0]
 
   return pipeline_lib.pipeline(
     stage_fn,

@@ -82,17 +82,31 @@ class LeafLayout(NamedTuple):
 
   def pad(self, x: jax.Array) -> jax.Array:
     """Appends zeros along ``dim`` (a no-op when no padding is needed)."""
-    if not self.padding:
+    if self.dim is None or not self.padding:
       return x
-    widths = [(0, 0)] * x.ndim
-    widths[self.dim] = (0, self.padding)
-    return jnp.pad(x, widths)
+    return pad_to(x, self.dim, self.padded_size)
 
   def unpad(self, x: jax.Array) -> jax.Array:
     """Drops the padding along ``dim`` (a no-op when there is none)."""
-    if not self.padding:
+    if self.dim is None or not self.padding:
       return x
     return jax.lax.slice_in_dim(x, 0, self.shape[self.dim], axis=x.ndim + self.dim)
+
+
+def pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
+  """``x`` with zeros appended along ``axis`` (negative counts from the end) up to ``size``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> pad_to(jnp.ones((2, 3)), -1, 4).tolist()
+    [[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]]
+  """
+  axis = axis % x.ndim
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
 
 
 def _trimmed(entries: tuple[Any, ...]) -> P:
@@ -115,7 +129,7 @@ class Layout(NamedTuple):
     {'b': P(), 'w': P(None, 'data')}
   """
 
-  treedef: jax.tree_util.PyTreeDef
+  treedef: jax.tree_util.PyTreeDef  # pyright: ignore[reportInvalidTypeForm] (a variable in jax)
   leaves: tuple[LeafLayout, ...]
 
   def tree(self) -> Any:

@@ -22,8 +22,11 @@ from zerojax._src import hlo as hlo_lib
 
 #: Opcodes that compute (rather than move or reshape data).
 _COMPUTE = frozenset({"dot", "convolution"})
-_GATHERS = frozenset({"all-gather", "all-gather-start"})
-_REDUCTIONS = frozenset({"reduce-scatter", "reduce-scatter-start", "all-to-all"})
+_GATHERS = frozenset({"all-gather"})
+_REDUCTIONS = frozenset({"reduce-scatter", "all-to-all"})
+_COLLECTIVES = frozenset({"all-gather", "reduce-scatter", "all-to-all", "all-reduce"})
+#: How XLA:TPU names the fusions that start and finish an asynchronous collective.
+_TPU_START, _TPU_DONE = "async-collective-start", "async-collective-done"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,14 @@ class LoopCollectives:
       nested in the body): that compute cannot start before the gather ends.
     waiting_reductions: reductions whose operand a matmul or convolution of
       the same iteration produced: they cannot start before it ends.
+    asynchronous: the collectives (gathers and reductions) that run
+      asynchronously: started, then finished by a later instruction
+      (``all-gather-start`` ... ``all-gather-done`` on GPU, an
+      ``async-collective-start`` ... ``-done`` fusion pair on TPU). The CPU's
+      are all synchronous.
+    overlapped: the asynchronous ones with a matmul or convolution scheduled
+      between their start and their finish: compute that runs while they move
+      data (read from the scheduled program's order).
 
   Example:
     The layer loops of a stage-3 step, forward and backward, with and without prefetching:
@@ -51,9 +62,10 @@ class LoopCollectives:
     ...     layer = lambda h, w: (jnp.tanh(h @ w), None)
     ...     return jnp.mean(zerojax.scan(layer, x, params["layers"], prefetch=prefetch)[0])
     ...   return jax.jit(zerojax.value_and_grad(loss_fn, tx)).lower(params, x).compile()
-    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.loop_collectives(compiled(0))]
+    >>> from zerojax.diagnostics import loop_collectives
+    >>> [(loop.gathers, loop.waiting_gathers) for loop in loop_collectives(compiled(0))]
     [(1, 1), (1, 1)]
-    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.loop_collectives(compiled(1))]
+    >>> [(loop.gathers, loop.waiting_gathers) for loop in loop_collectives(compiled(1))]
     [(1, 0), (1, 0)]
   """
 
@@ -62,6 +74,8 @@ class LoopCollectives:
   reductions: int
   waiting_gathers: int
   waiting_reductions: int
+  asynchronous: int = 0
+  overlapped: int = 0
 
 
 def loop_collectives(hlo: str | jax.stages.Compiled) -> list[LoopCollectives]:
@@ -91,12 +105,11 @@ def loop_collectives(hlo: str | jax.stages.Compiled) -> list[LoopCollectives]:
     ...   return jax.lax.scan(step, h, w)[0]
     >>> specs = dict(in_specs=(jax.P(None, None, "data"), jax.P()), out_specs=jax.P())
     >>> f = jax.jit(jax.shard_map(layers, mesh=mesh, check_vma=False, **specs))
-    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.loop_collectives(
+    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.diagnostics.loop_collectives(
     ...   f.lower(jnp.ones((3, 16, 16)), jnp.ones((4, 16))).compile())]
     [(1, 1)]
   """
-  text = hlo if isinstance(hlo, str) else hlo.as_text()
-  computations, _ = hlo_lib.parse_module(text)
+  computations, _ = hlo_lib.parse_module(hlo_lib.text_of(hlo))
 
   @functools.cache
   def computes(name: str) -> bool:
@@ -108,8 +121,11 @@ def loop_collectives(hlo: str | jax.stages.Compiled) -> list[LoopCollectives]:
     for instruction in instructions:
       if instruction.opcode != "while":
         continue
-      body = re.search(r"body=%?([\w.\-]+)", instruction.attributes).group(1)
-      found = _analyse(body, computations[body], computes)
+      body = re.search(r"body=%?([\w.\-]+)", instruction.attributes)
+      if body is None:
+        raise ValueError(f"a while loop without a body in the HLO: {instruction}")
+      body = body.group(1)
+      found = _analyse(body, computations[body], computes, computations)
       if found.gathers or found.reductions:
         loops.append(found)
   return loops
@@ -126,7 +142,7 @@ def _callees(instruction) -> list[str]:
   return names
 
 
-def _analyse(body: str, instructions, computes) -> LoopCollectives:
+def _analyse(body: str, instructions, computes, computations) -> LoopCollectives:
   by_name = {i.name: i for i in instructions}
   users: dict[str, list[str]] = {}
   for i in instructions:
@@ -148,12 +164,72 @@ def _analyse(body: str, instructions, computes) -> LoopCollectives:
       todo.extend(step(name))
     return False
 
-  gathers = [i for i in instructions if i.opcode in _GATHERS]
-  reductions = [i for i in instructions if i.opcode in _REDUCTIONS]
+  def finish(start) -> str | None:
+    """The instruction that finishes asynchronous collective ``start``, if it is one.
+
+    Followed through the tuples it returns and, on TPU, through the fusions
+    that carry it forward alongside compute.
+    """
+    seen, todo = set(), list(consumers(start.name))
+    while todo:
+      name = todo.pop()
+      if name in seen:
+        continue
+      seen.add(name)
+      if _is_done(by_name[name]):
+        return name
+      if by_name[name].opcode == "get-tuple-element" or _continues(by_name[name]):
+        todo.extend(consumers(name))
+    return None
+
+  order = {i.name: position for position, i in enumerate(instructions)}
+  kinds = {i.name: _kind(i, computations) for i in instructions}
+  gathers = [i for i in instructions if kinds[i.name] in _GATHERS]
+  reductions = [i for i in instructions if kinds[i.name] in _REDUCTIONS]
+  dones = {i.name: finish(i) for i in gathers + reductions}
+  # What a gather's result reaches: the instruction that finishes it, if asynchronous.
+  results = {name: done or name for name, done in dones.items()}
+  overlapped = sum(
+    any(_computes(i, computes) for i in instructions[order[name] + 1 : order[done]])
+    for name, done in dones.items()
+    if done is not None
+  )
   return LoopCollectives(
     body=body,
     gathers=len(gathers),
     reductions=len(reductions),
-    waiting_gathers=sum(any_computes(users.get(g.name, ()), consumers) for g in gathers),
+    waiting_gathers=sum(any_computes(consumers(results[g.name]), consumers) for g in gathers),
     waiting_reductions=sum(any_computes(r.operands, operands) for r in reductions),
+    asynchronous=sum(done is not None for done in dones.values()),
+    overlapped=overlapped,
+  )
+
+
+def _kind(instruction, computations) -> str | None:
+  """The collective ``instruction`` runs or starts (``"all-gather"``, ...), or ``None``.
+
+  XLA:TPU starts an asynchronous collective with a fusion whose computation
+  holds it.
+  """
+  opcode = instruction.opcode.removesuffix("-start")
+  if opcode in _COLLECTIVES and not instruction.opcode.endswith("-done"):
+    return opcode
+  if instruction.opcode == "fusion" and instruction.name.startswith(_TPU_START):
+    for callee in _callees(instruction):
+      for inner in computations.get(callee, ()):
+        if inner.opcode in _COLLECTIVES:
+          return inner.opcode
+  return None
+
+
+def _continues(instruction) -> bool:
+  """Whether ``instruction`` is an XLA:TPU fusion that carries a collective forward."""
+  return instruction.opcode == "fusion" and any(
+    callee.startswith("async_collective_fusion") for callee in _callees(instruction)
+  )
+
+
+def _is_done(instruction) -> bool:
+  return instruction.opcode.endswith("-done") or (
+    instruction.opcode == "fusion" and instruction.name.startswith(_TPU_DONE)
   )

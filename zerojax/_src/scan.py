@@ -24,6 +24,7 @@ gathered, and only the deferred reduction applies.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,7 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zerojax._src import buckets, collectives
+from zerojax._src import collectives, comm
 
 
 def scan(
@@ -41,6 +42,7 @@ def scan(
   length: int | None = None,
   *,
   prefetch: int = 1,
+  policy: Callable[..., bool] | None = None,
 ) -> tuple[Any, Any]:
   """``jax.lax.scan`` over a layer stack whose parameter shards ``f`` receives gathered.
 
@@ -56,11 +58,21 @@ def scan(
   backward runs: on GPUs and TPUs the collectives then overlap the compute. At
   most two layers' gathered weights (and two layers' weight gradients) are
   alive at once. ``prefetch=0`` gathers each layer in its own iteration, under
-  ``jax.checkpoint(..., policy=zerojax.remat_policy)``. Both recompute only the
-  gathers in the backward pass, and give the same numbers.
+  ``jax.checkpoint``. Both give the same numbers, to rounding (XLA fuses the
+  two programs differently).
+
+  What the backward pass reads from the forward pass is ``policy``'s choice,
+  as for ``jax.checkpoint``: by default every intermediate value of a layer is
+  saved and none recomputed; ``jax.checkpoint_policies.dots_saveable`` saves
+  only matmul outputs (the rest is recomputed), ``nothing_saveable`` only the
+  layer's inputs (the whole layer is recomputed). Whatever the policy, the
+  gathered weights are never saved, nor anything computed from them alone (a
+  cast or a transpose of a weight): the backward pass gathers the layer
+  again, so a layer's weights are whole on a device only while it computes.
 
   Outside ``zerojax.value_and_grad`` (on full arrays, for evaluation) and at
-  stage 1 (no shards) it is ``jax.lax.scan``.
+  stage 1 (no shards) it is ``jax.lax.scan``, of ``jax.checkpoint(f, policy=policy)``
+  if a policy is given.
 
   Args:
     f: ``f(carry, x) -> (carry, y)``, as for ``jax.lax.scan``; ``x`` holds
@@ -69,6 +81,9 @@ def scan(
     xs: the per-layer inputs, each leaf with a leading axis of ``length``.
     length: the number of layers, if ``xs`` has no leaves.
     prefetch: 1 to gather one layer ahead, 0 not to.
+    policy: a ``jax.checkpoint`` policy (``jax.checkpoint_policies``) naming
+      the values the backward pass reads from the forward pass; ``None``
+      saves every one but the weights.
 
   Returns:
     ``(carry, ys)``, as ``jax.lax.scan`` returns them.
@@ -99,15 +114,18 @@ def scan(
   leaves, treedef = jax.tree.flatten(xs, is_leaf=_is_shard)
   shards = [i for i, leaf in enumerate(leaves) if _is_shard(leaf)]
   if not shards:
-    return jax.lax.scan(f, init, xs, length)
+    body = f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
+    return jax.lax.scan(body, init, xs, length)
+  _check_layer_axis([leaves[i] for i in shards])
+  f = _checked(f)
   if prefetch == 0:
     body = jax.checkpoint(
       lambda carry, x: f(carry, collectives.gather(x)),
-      policy=collectives.remat_policy,
+      policy=collectives.except_gathered(policy),
       prevent_cse=False,
     )
     return jax.lax.scan(body, init, xs, length)
-  return _prefetched(f, init, leaves, treedef, shards)
+  return _prefetched(f, init, leaves, treedef, shards, policy)
 
 
 def _is_shard(x: Any) -> bool:
@@ -122,29 +140,29 @@ class _Stack(NamedTuple):
   """The static facts of one layer stack (hashable, for the custom VJP).
 
   Attributes:
-    bucket: one layer's shards, opened and reduced together.
+    group: one layer's shards, opened and reduced together.
     reads: stage 2: the weights are read whole, their gradients go to sinks.
     treedef: the structure of ``xs``, ``Shard`` s as leaves.
     shards: the positions of the shards among ``xs``' leaves.
     length: the number of layers.
+    policy: the ``jax.checkpoint`` policy of one layer (the user's, never
+      saving gathered weights).
   """
 
-  bucket: buckets.Bucket
+  group: comm.Group
   reads: bool
   treedef: Any
   shards: tuple[int, ...]
   length: int
+  policy: Callable[..., bool]
 
   def opened(self, values: list[jax.Array], sinks: list[jax.Array]) -> list[jax.Array]:
     """One layer's full weights: gathered (stage 3) or read (stage 2), no derivative rule."""
-    if self.reads:
-      axes = (*_axes(self.bucket.axis_name), *self.bucket.replica_axes)
-      return [jax.lax.pcast(v, axes, to="varying") for v in values]
-    return buckets.all_gather(self.bucket, values)
+    return self.group.read(values) if self.reads else self.group.all_gather(values)
 
   def reduced(self, cotangents: list[jax.Array]) -> list[jax.Array]:
     """One layer's gradient shards (for the values at stage 3, the sinks at stage 2)."""
-    return buckets.reduce_scatter(self.bucket, cotangents)
+    return self.group.reduce_scatter(cotangents)
 
   def x(self, weights: list[jax.Array], others: list[Any]) -> Any:
     """One layer's ``x`` for ``f``: the weights where the shards were, the rest as given."""
@@ -157,11 +175,37 @@ class _Stack(NamedTuple):
     return self.treedef.num_leaves
 
 
-def _axes(axis_name: Any) -> tuple[str, ...]:
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+def _check_layer_axis(shards: list[collectives.Shard]) -> None:
+  """Raises if a layout splits a stacked shard's layer axis, which a scan must see whole."""
+  for shard in shards:
+    if shard.value.ndim + shard.dim == 0:
+      raise ValueError(
+        f"zerojax.scan got a stacked parameter of shape {shard.value.shape} (this device's "
+        f"shard) whose leading (layer) axis is split over the data axes {shard.axis_name!r}, "
+        "so no device holds every layer: shard another dimension (a layout= override such "
+        "as P(None, 'data') for a stacked leaf, or None for the default rule, which never "
+        "splits the layer axis)."
+      )
 
 
-def _prefetched(f, init, leaves, treedef, shard_positions):
+def _checked(f: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, Any], tuple[Any, Any]]:
+  """``f``, raising a clear error when it does not return a ``(carry, y)`` pair."""
+
+  @functools.wraps(f)
+  def checked(carry, x):
+    out = f(carry, x)
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+      kind = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else "")
+      raise ValueError(
+        f"zerojax.scan's f must return a pair (carry, y), as jax.lax.scan's does; it returned "
+        f"{kind}. Return (new_carry, None) for a layer with no per-layer output."
+      )
+    return tuple(out)
+
+  return checked
+
+
+def _prefetched(f, init, leaves, treedef, shard_positions, policy):
   shards = [leaves[i] for i in shard_positions]
   others = [x for i, x in enumerate(leaves) if i not in shard_positions]
   length = shards[0].value.shape[0]
@@ -173,11 +217,12 @@ def _prefetched(f, init, leaves, treedef, shard_positions):
       )
   first = [_layer_shard(s) for s in shards]
   stack = _Stack(
-    collectives.bucket_of(first),
+    collectives.group_of(first),
     first[0].sink is not None,
     treedef,
     tuple(shard_positions),
     length,
+    collectives.except_gathered(policy),
   )
   values = [s.value for s in shards]
   sinks = [s.sink for s in shards] if stack.reads else []
@@ -191,18 +236,8 @@ def _prefetched(f, init, leaves, treedef, shard_positions):
 
 def _layer_shard(shard: collectives.Shard) -> collectives.Shard:
   """The ``Shard`` of one layer of a stacked shard (the static facts kept)."""
-  return collectives.Shard(
-    shard.value[0],
-    None if shard.sink is None else shard.sink[0],
-    shard.dim,
-    shard.size,
-    shard.axis_name,
-    shard.compute_dtype,
-    shard.reduce_dtype,
-    shard.replica_axes,
-    shard.quantized_weights,
-    shard.quantized_gradients,
-  )
+  sink = None if shard.sink is None else shard.sink[0]
+  return dataclasses.replace(shard, value=shard.value[0], sink=sink)
 
 
 def _at(arrays: list[Any], index: Any) -> list[Any]:
@@ -250,8 +285,8 @@ def _layer(body, stack: _Stack, consts, carry, weights, others):
 def _vjp_layer(body, stack, consts, carry, weights, others):
   """``((carry, y), pullback)`` of one layer, the pullback without the weights."""
   layer = functools.partial(_layer, body, stack)
-  policy = jax.checkpoint(layer, policy=collectives.remat_policy, prevent_cse=False)
-  out, pullback = jax.vjp(policy, consts, carry, weights, others)
+  checkpointed = jax.checkpoint(layer, policy=stack.policy, prevent_cse=False)
+  out, pullback = jax.vjp(checkpointed, consts, carry, weights, others)
   return out, _Pullback.of(pullback, weights)
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from zerojax._src import collectives
+from zerojax._src import collectives, comm
 from zerojax._src import layout as layout_lib
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class _ScatteredAtEnd(_LocalGradient):
 
   def finish(self, leaf, grad, settings):
     data = layout_lib.entry(settings.data_axes)
-    grad = collectives.scatter(grad, leaf.dim, data, leaf.padded_size, settings.quantized_gradients)
+    grad = comm.scatter(grad, leaf.dim, data, leaf.padded_size, settings.quantized_gradients)
     return _across_replicas(leaf, grad, settings)
 
 
@@ -110,16 +110,16 @@ class _ScatteredInLoss(Route):
 
   def _shard(self, leaf, value, sink, settings) -> collectives.Shard:
     return collectives.Shard(
-      value,
-      sink,
-      leaf.dim,
-      leaf.shape[leaf.dim],
-      layout_lib.entry(settings.data_axes),
-      settings.precision.compute_dtype(leaf.dtype),
-      settings.precision.reduce_dtype(leaf.dtype),
-      settings.replica_axes,
-      settings.quantized_weights,
-      settings.quantized_gradients,
+      value=value,
+      sink=sink,
+      dim=leaf.dim,
+      size=leaf.shape[leaf.dim],
+      axis_name=layout_lib.entry(settings.data_axes),
+      compute_dtype=settings.precision.compute_dtype(leaf.dtype),
+      reduce_dtype=settings.precision.reduce_dtype(leaf.dtype),
+      replica_axes=settings.replica_axes,
+      quantized_weights=settings.quantized_weights,
+      quantized_gradients=settings.quantized_gradients,
     )
 
 
@@ -170,9 +170,7 @@ def _across_replicas(leaf, grad: jax.Array, settings: Settings) -> jax.Array:
   if not settings.replica_axes:
     return grad
   reduce = settings.precision.reduce_dtype(leaf.dtype)
-  return collectives.all_reduce(
-    grad.astype(reduce), settings.replica_axes, settings.quantized_gradients
-  )
+  return comm.all_reduce(grad.astype(reduce), settings.replica_axes, settings.quantized_gradients)
 
 
 class Stage:

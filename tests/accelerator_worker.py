@@ -1,0 +1,204 @@
+"""Compiles one small training step several ways for a GPU or TPU target, and reports them.
+
+Run by tests/test_accelerators.py in a process of its own, started with
+``zerojax.diagnostics.deviceless_environment(TARGET)`` (the compilers read it
+when they load): ``python tests/accelerator_worker.py TARGET OUT.json [SETUP ...]``. For
+each setup (plain data parallelism, GSPMD FSDP, zero1, zero2, zero3 on its
+paths) it writes the compiled step's per-device arguments and temporaries,
+its layer loops (``zerojax.diagnostics.loop_collectives``) and, on GPU, XLA's estimate of
+the step from its scheduler's log.
+
+``--mutation NAME`` swaps a part of zerojax for a broken one first (see
+``MUTATIONS``), so that the tests can show they fail on it.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+from zerojax._src import deviceless, schedule
+
+LAYERS, D, F, TOKENS = 4, 512, 1536, 8 * 512
+DOTS = jax.checkpoint_policies.dots_saveable
+
+
+def abstract(tree, shardings):
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
+
+
+def full_params():
+  return {
+    "up": jax.ShapeDtypeStruct((LAYERS, D, F), jnp.float32),
+    "down": jax.ShapeDtypeStruct((LAYERS, F, D), jnp.float32),
+  }
+
+
+def block(h, w):
+  return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
+
+
+def plain_step(opt, loss):
+  def step(params, state, x):
+    value, grads = jax.value_and_grad(loss)(params, x)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  return step
+
+
+def gspmd(mesh, spec):
+  """Plain JAX with parameters and Adam state placed by ``spec`` (``P()``: plain DP)."""
+  opt = optax.adam(1e-3)
+  sharding = NamedSharding(mesh, spec)
+  params = abstract(full_params(), jax.tree.map(lambda _: sharding, full_params()))
+  state = jax.eval_shape(opt.init, params)
+  state = abstract(
+    state, jax.tree.map(lambda x: sharding if x.ndim else NamedSharding(mesh, P()), state)
+  )
+  batch = NamedSharding(mesh, P("data"))
+
+  def loss(params, x):
+    body = lambda h, w: block(jax.lax.with_sharding_constraint(h, batch), w)
+    h, _ = jax.lax.scan(jax.checkpoint(body, policy=DOTS), x, params)
+    return jnp.mean(h**2)
+
+  return plain_step(opt, loss), (params, state)
+
+
+def zero(mesh, stage, stack=None):
+  """zerojax's ``stage``: ``stack`` runs the layers on the explicit path, else drop-in."""
+  tx = getattr(zerojax, f"zero{stage}")(optax.adam(1e-3), mesh=mesh)
+  params = abstract(jax.eval_shape(tx.shard, full_params()), tx.param_shardings(full_params()))
+  state = abstract(jax.eval_shape(tx.init, params), tx.state_shardings(full_params()))
+  if stack is None:
+    return gspmd_loss_step(tx, mesh), (params, state)
+
+  def loss(params, x):
+    if stack == "gather":
+      policy = zerojax.except_gathered(DOTS)
+      body = jax.checkpoint(lambda h, w: block(h, zerojax.gather(w)), policy=policy)
+      h, _ = jax.lax.scan(body, x, params)
+    else:
+      h, _ = zerojax.scan(block, x, params, prefetch=stack, policy=DOTS)
+    return jnp.mean(h**2)
+
+  def step(params, state, x):
+    value, grads = zerojax.value_and_grad(loss, tx)(params, x)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  return step, (params, state)
+
+
+def gspmd_loss_step(tx, mesh):
+  batch = NamedSharding(mesh, P("data"))
+
+  def loss(params, x):
+    body = lambda h, w: block(jax.lax.with_sharding_constraint(h, batch), w)
+    h, _ = jax.lax.scan(jax.checkpoint(body, policy=DOTS), x, params)
+    return jnp.mean(h**2)
+
+  return plain_step(tx, loss)
+
+
+def setups(target):
+  explicit = deviceless.mesh(target, (8,), ("data",), (AxisType.Explicit,))
+  auto = deviceless.mesh(target, (8,), ("data",), (AxisType.Auto,))
+  return {
+    "plain DP": lambda: (gspmd(auto, P()), auto),
+    "GSPMD FSDP": lambda: (gspmd(auto, P(None, "data")), auto),
+    "zero1": lambda: (zero(explicit, 1, stack=1), explicit),
+    "zero2": lambda: (zero(explicit, 2, stack=1), explicit),
+    "zero3 scan": lambda: (zero(explicit, 3, stack=1), explicit),
+    "zero3 scan, prefetch=0": lambda: (zero(explicit, 3, stack=0), explicit),
+    "zero3 gather": lambda: (zero(explicit, 3, stack="gather"), explicit),
+    "zero3 drop-in": lambda: (zero(auto, 3), auto),
+  }
+
+
+def measure(target, build):
+  (step, (params, state)), mesh = build()
+  x = jax.ShapeDtypeStruct((TOKENS, D), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+  with deviceless.capture_stderr() as log:
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
+  memory = compiled.memory_analysis()
+  report = {
+    "arguments": memory.argument_size_in_bytes,
+    "temporaries": memory.temp_size_in_bytes,
+    "loops": [dataclasses.asdict(loop) for loop in zerojax.diagnostics.loop_collectives(compiled)],
+  }
+  if deviceless.find_target(target).platform == "cuda":
+    estimate = schedule.scheduler_estimate(log[0], compiled)
+    report["cycles"] = estimate.cycles
+    report["loop_waiting"] = [loop.waiting for loop in estimate.loops]
+  return report
+
+
+#: Broken versions of zerojax, to check that the tests catch them.
+MUTATIONS = {
+  # Every layer's leaves packed into one uint8 buffer for each collective (as
+  # zerojax did before it let XLA's combiners merge them).
+  "byte-packed": "byte_packed",
+}
+
+
+def byte_packed():
+  from zerojax._src import comm
+
+  def packed(self, values):
+    import numpy as np
+
+    payloads = [
+      jax.lax.bitcast_convert_type(v.astype(t.compute), jnp.uint8).reshape(-1)
+      for t, v in zip(self.transfers, values, strict=True)
+    ]
+    rows = jax.lax.all_gather(jnp.concatenate(payloads), self.axis_name, axis=0)
+    fulls, start = [], 0
+    for t, payload in zip(self.transfers, payloads, strict=True):
+      chunk = rows[:, start : start + payload.size]
+      start += payload.size
+      itemsize = np.dtype(t.compute).itemsize
+      pieces = jax.lax.bitcast_convert_type(chunk.reshape(rows.shape[0], -1, itemsize), t.compute)
+      pieces = jnp.moveaxis(pieces.reshape(rows.shape[0], *t.shard_shape), 0, t.axis)
+      shape = list(t.shard_shape)
+      shape[t.axis] *= rows.shape[0]
+      fulls.append(jax.lax.slice_in_dim(pieces.reshape(shape), 0, t.size, axis=t.axis))
+    return fulls
+
+  comm.Group.all_gather = packed
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("target", choices=sorted(deviceless.TARGETS))
+  parser.add_argument("out")
+  parser.add_argument("setups", nargs="*", help="the setups to compile (default: all)")
+  parser.add_argument("--mutation", choices=sorted(MUTATIONS))
+  args = parser.parse_args()
+  if args.mutation:
+    globals()[MUTATIONS[args.mutation]]()
+  chosen = {
+    name: build
+    for name, build in setups(args.target).items()
+    if name in args.setups or not args.setups
+  }
+  results = {name: measure(args.target, build) for name, build in chosen.items()}
+  with open(args.out, "w") as out:
+    json.dump(results, out, indent=1)
+  print(
+    json.dumps({name: r["temporaries"] / 2**20 for name, r in results.items()}), file=sys.stderr
+  )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,84 @@
+"""The programs an 8 x H100 host and a TPU v5e-8 would run, compiled here without them.
+
+tests/accelerator_worker.py compiles a small training step for each setup in a
+process of its own (the compilers read their environment when they load), and
+these tests read what it reports: per-device memory from
+``memory_analysis()``, each layer loop's collectives from the scheduled
+program, and on GPU XLA's own estimate of the step. The CPU backend cannot
+show any of it: its collectives are synchronous and it lays memory out its
+own way. docs/performance.md has the same measurements on bigger models
+(``python benchmarks/accelerators.py``).
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import accelerator_worker as worker
+from zerojax._src import deviceless
+
+#: One layer's weights (what a gather makes whole), in bytes.
+LAYER = 4 * 2 * worker.D * worker.F
+ZERO3 = ("zero3 scan", "zero3 scan, prefetch=0", "zero3 gather", "zero3 drop-in")
+# XLA:TPU takes 15-30 s of CPU per program here, so CI compiles for it the two paths that
+# open shards differently (the prefetching loop, and gather's derivative rule) and the
+# baseline; benchmarks/accelerators.py compiles every path.
+TPU_ZERO3 = ("zero3 scan", "zero3 gather")
+
+
+@functools.cache
+def compiled(target: str, *setups: str) -> dict:
+  """What the worker reports for ``setups`` (all if none) compiled for ``target``."""
+  out = Path(os.environ.get("ZEROJAX_TESTS_JAX_CACHE", "/tmp")) / f"accelerators-{target}.json"
+  # The compiler's own flags, not the CPU test flags (conftest's), and its platform.
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env |= deviceless.environment(target)
+  command = [sys.executable, str(Path(worker.__file__)), target, str(out), *setups]
+  done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-5000:]
+  return json.loads(out.read_text())
+
+
+def gpu() -> dict:
+  return compiled("h100x8")
+
+
+def test_gpu_layer_loops_overlap_every_collective_with_compute():
+  loops = gpu()["zero3 scan"]["loops"]
+  assert len(loops) == 2  # forward and backward
+  for loop in loops:
+    moved = loop["gathers"] + loop["reductions"]
+    assert moved and loop["asynchronous"] == moved, loop
+    assert loop["overlapped"] == moved, loop  # compute between every start and its done
+    assert loop["waiting_gathers"] == loop["waiting_reductions"] == 0, loop
+
+
+def test_gpu_the_overlap_check_fails_on_a_serialised_loop():
+  loops = gpu()["zero3 scan, prefetch=0"]["loops"]
+  assert any(loop["waiting_gathers"] for loop in loops)
+  assert any(loop["overlapped"] < loop["gathers"] + loop["reductions"] for loop in loops)
+
+
+def test_gpu_prefetching_step_beats_gspmd_fsdp_in_xlas_estimate():
+  assert gpu()["zero3 scan"]["cycles"] < gpu()["GSPMD FSDP"]["cycles"]
+
+
+@pytest.mark.parametrize("setup", ZERO3)
+def test_gpu_zero3_temporaries_within_a_layer_of_gspmd_fsdp(setup):
+  assert gpu()[setup]["temporaries"] <= gpu()["GSPMD FSDP"]["temporaries"] + LAYER
+
+
+@pytest.mark.parametrize("setup", ["zero1", "zero2"])
+def test_gpu_zero1_and_zero2_temporaries_within_plain_data_parallelism(setup):
+  assert gpu()[setup]["temporaries"] <= 1.1 * gpu()["plain DP"]["temporaries"]
+
+
+@pytest.mark.parametrize("setup", TPU_ZERO3)
+def test_tpu_zero3_temporaries_within_a_layer_of_gspmd_fsdp(setup):
+  tpu = compiled("v5e-8", "GSPMD FSDP", *TPU_ZERO3)
+  assert tpu[setup]["temporaries"] <= tpu["GSPMD FSDP"]["temporaries"] + LAYER

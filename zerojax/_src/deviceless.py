@@ -1,0 +1,232 @@
+"""Compiling for GPUs and TPUs this machine does not have (deviceless ahead-of-time compilation).
+
+XLA compiles a program for an 8 x H100 host or a TPU v5e slice from a
+description of the devices alone, so the program that those accelerators
+would run can be read here: its schedule (which collectives are asynchronous,
+what compute runs while they are in flight), its per-device memory
+(``compiled.memory_analysis()``) and, on GPU, the latency-hiding scheduler's
+own estimate of its time (``zerojax.diagnostics.scheduler_estimate``). The
+CPU backend answers none of these questions: its collectives are synchronous
+and it lays memory out its own way.
+
+The CUDA and TPU compilers come with ``pip install "zerojax[accelerators]"``.
+A compiling process must be started with ``environment(target)`` in its
+environment, since the compilers read it when they load: so compile in a
+process of its own (one per platform), as ``benchmarks/accelerators.py`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import pathlib
+import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+_DESCRIPTIONS = pathlib.Path(__file__).parent / "targets"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A machine to compile for.
+
+  Attributes:
+    name: how ``TARGETS`` and the command lines call it.
+    platform: ``"cuda"`` or ``"tpu"``.
+    topology: the topology's name, as ``jax.experimental.topologies`` takes it.
+    description: for GPUs, the device description file (in ``targets/``).
+    hbm_bytes: memory per device.
+  """
+
+  name: str
+  platform: str
+  topology: str
+  description: str | None
+  hbm_bytes: int
+
+  @property
+  def device_count(self) -> int:
+    return len(self.devices())
+
+  def devices(self) -> list[Any]:
+    """The topology's devices (in a process started with ``environment(self)``)."""
+    _check_environment(self)
+    from jax.experimental import topologies
+
+    if self.platform == "cuda":
+      config = (_DESCRIPTIONS / self.description).read_text()
+      topology = topologies.get_topology_desc(
+        platform="cuda", topology=self.topology, target_config=config
+      )
+    else:
+      topology = topologies.get_topology_desc(topology_name=self.topology, platform="tpu")
+    return list(topology.devices)
+
+
+#: The machines zerojax is measured on, by name.
+TARGETS = {
+  target.name: target
+  for target in (
+    Target("h100x8", "cuda", "1x1x8", "h100_sxm.txtpb", 80 * 10**9),
+    Target("v5e-8", "tpu", "v5e:2x4", None, 16 * 2**30),
+    Target("v5e-64", "tpu", "v5e:8x8", None, 16 * 2**30),
+  )
+}
+
+
+def find_target(target: Target | str) -> Target:
+  """``target`` itself, or the ``Target`` it names, with a clear error for an unknown name."""
+  if isinstance(target, Target):
+    return target
+  if target not in TARGETS:
+    raise ValueError(f"unknown target {target!r}: choose one of {sorted(TARGETS)}.")
+  return TARGETS[target]
+
+
+def environment(target: str, *, scheduler_log: bool = True) -> dict[str, str]:
+  """The environment variables a process compiling for ``target`` must start with.
+
+  The compilers read them when they load, on the process's first use of a
+  device: start a new process with them (``XLA_FLAGS`` is yours to add, as on
+  the accelerators' hosts).
+
+  Args:
+    target: ``"h100x8"``, ``"v5e-8"`` or ``"v5e-64"`` (see ``deviceless_mesh``).
+    scheduler_log: on GPU, make XLA log its latency-hiding scheduler's
+      statistics (read them with ``capture_stderr`` and ``scheduler_estimate``).
+
+  Returns:
+    Variables to add to the environment (``subprocess.run(env={**os.environ, **env})``).
+
+  Raises:
+    ValueError: for a target zerojax does not know.
+
+  Example:
+    >>> from zerojax.diagnostics import deviceless_environment
+    >>> sorted(deviceless_environment("v5e-8"))
+    ['ALLOW_MULTIPLE_LIBTPU_LOAD', 'JAX_PLATFORMS', 'TPU_SKIP_MDS_QUERY']
+    >>> deviceless_environment("h100x8")["CUDA_VISIBLE_DEVICES"]
+    '-1'
+  """
+  target = find_target(target)
+  if target.platform == "cuda":
+    env = {
+      "JAX_PLATFORMS": "cuda,cpu",
+      "CUDA_VISIBLE_DEVICES": "-1",  # there is no GPU to find
+      "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",  # it looks for CUDA libraries only running needs
+    }
+    if scheduler_log:
+      env |= {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
+    return env
+  return {
+    "JAX_PLATFORMS": "tpu,cpu",
+    "TPU_SKIP_MDS_QUERY": "1",  # no cloud metadata server to ask
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # another process may hold libtpu (its lock is per host)
+  }
+
+
+def _check_environment(target: Target) -> None:
+  missing = {
+    k: v for k, v in environment(target, scheduler_log=False).items() if k != "JAX_PLATFORMS"
+  }
+  wrong = sorted(k for k, v in missing.items() if os.environ.get(k) != v)
+  if wrong:
+    raise RuntimeError(
+      f"compiling for {target.name} needs a process started with "
+      f"zerojax.diagnostics.deviceless_environment({target.name!r}) in its environment "
+      f"({', '.join(f'{k}={missing[k]}' for k in wrong)} missing): the compilers read it when "
+      "they load, so start a new process with it."
+    )
+
+
+def mesh(
+  target: str,
+  shape: tuple[int, ...],
+  axis_names: tuple[str, ...],
+  axis_types: tuple[AxisType, ...] | None = None,
+) -> Mesh:
+  """A ``jax.sharding.Mesh`` over ``target``'s devices, to compile for (never to run on).
+
+  Nothing can be placed on these devices: give ``jax.jit(...).lower`` abstract
+  arguments, ``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh,
+  spec))``, and the abstract outputs of zerojax's placement with
+  ``jax.eval_shape(tx.shard, ...)``.
+
+  Args:
+    target: ``"h100x8"`` (8 x H100 SXM), ``"v5e-8"`` (TPU v5e, 2 x 4) or
+      ``"v5e-64"`` (8 x 8).
+    shape: the mesh's shape; its product must be the target's device count.
+    axis_names: the mesh's axis names.
+    axis_types: as for ``jax.sharding.Mesh`` (``Auto`` by default).
+
+  Returns:
+    The mesh.
+
+  Raises:
+    RuntimeError: in a process not started with ``deviceless_environment(target)``.
+
+  Example:
+    In a process started with ``deviceless_environment("h100x8")`` in its
+    environment (``benchmarks/accelerators.py`` does this)::
+
+      import jax, jax.numpy as jnp, optax, zerojax
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      mesh = zerojax.diagnostics.deviceless_mesh("h100x8", (8,), ("data",))
+      tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
+      full = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+      shardings = tx.param_shardings(full)
+      params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(tx.shard, full), shardings)
+      compiled = jax.jit(step).lower(params, ...).compile()
+      compiled.memory_analysis().temp_size_in_bytes  # what an H100 would need
+  """
+  target = find_target(target)
+  devices = target.devices()
+  if math.prod(shape) != len(devices):
+    raise ValueError(
+      f"a mesh of shape {shape} needs {math.prod(shape)} devices; {target.name} has "
+      f"{len(devices)}: pass a shape whose product is {len(devices)}."
+    )
+  return Mesh(np.array(devices).reshape(shape), axis_names, axis_types=axis_types)
+
+
+@contextlib.contextmanager
+def capture_stderr() -> Iterator[list[str]]:
+  """Collects what the process writes to its standard error meanwhile, C++ logs included.
+
+  XLA logs its scheduler's statistics from C++, straight to file descriptor
+  2, where Python's ``sys.stderr`` redirection cannot see them; this
+  redirects the descriptor itself.
+
+  Yields:
+    A list that holds the captured text once the block ends.
+
+  Example:
+    >>> import os
+    >>> from zerojax.diagnostics import capture_stderr
+    >>> with capture_stderr() as log:
+    ...   _ = os.write(2, b"written by C++, say\\n")
+    >>> log[0]
+    'written by C++, say\\n'
+  """
+  captured: list[str] = []
+  with tempfile.TemporaryFile(mode="w+b") as sink:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(sink.fileno(), 2)
+    try:
+      yield captured
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      sink.seek(0)
+      captured.append(sink.read().decode(errors="replace"))
