@@ -403,8 +403,13 @@ def _is_shardable(dtype: np.dtype) -> bool:
 
 
 def _placement(leaf, ndim: int) -> tuple[Any, ...]:
-  """The leaf's current ``PartitionSpec`` entries, one per dimension (all ``None`` if unplaced)."""
-  sharding = getattr(leaf, "sharding", None)
+  """The leaf's current ``PartitionSpec`` entries, one per dimension (all ``None`` if unplaced).
+
+  A tracer (``tx.shard`` under ``jax.eval_shape`` or ``jax.jit``) has its
+  placement in its type, under explicit axes.
+  """
+  tracer = isinstance(leaf, jax.core.Tracer)
+  sharding = jax.typeof(leaf).sharding if tracer else getattr(leaf, "sharding", None)
   spec = getattr(sharding, "spec", None)
   if spec is None:
     return (None,) * ndim

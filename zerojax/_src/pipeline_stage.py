@@ -33,6 +33,9 @@ from jax.sharding import PartitionSpec as P
 from zerojax._src import collectives
 from zerojax._src.pipeline_schedule import Timetable, pipeline_timetable
 
+#: The names (``jax.named_scope``) of a tick's forward and backward slots, in profiles and HLO.
+FORWARD_SLOT, BACKWARD_SLOT = "pipeline_forward_slot", "pipeline_backward_slot"
+
 #: When stage gradients are reduce-scattered over the data axes (stages 2 and 3).
 REDUCTIONS = ("step", "microbatch")
 
@@ -393,10 +396,12 @@ def _ticks(stage: Stage, table: Timetable, consts, state, forward_slot, backward
 
   def tick(phase, state, t):
     if phase.forward:
-      state = forward_slot(state, consts, forward[t, stage.index])
+      with jax.named_scope(FORWARD_SLOT):
+        state = forward_slot(state, consts, forward[t, stage.index])
       state["act"] = stage.shift(state["sent_act"], 1)
     if phase.backward:
-      state = backward_slot(state, consts, backward[t, stage.index])
+      with jax.named_scope(BACKWARD_SLOT):
+        state = backward_slot(state, consts, backward[t, stage.index])
       state["cot"] = stage.shift(state["sent_cot"], -1)
     return state, None
 
