@@ -73,8 +73,8 @@ def _check(
     ("tensor_parallel", tensor_parallel),
     ("pipeline_stages", pipeline_stages),
   ):
-    if value < 1:
-      raise ValueError(f"{name} must be at least 1, got {value}.")
+    if not hasattr(value, "__index__") or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name} must be a whole number, at least 1, got {value!r}.")
   return stages.of(stage)
 
 

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -408,7 +409,7 @@ def _placement(leaf, ndim: int) -> tuple[Any, ...]:
   A tracer (``tx.shard`` under ``jax.eval_shape`` or ``jax.jit``) has its
   placement in its type, under explicit axes.
   """
-  tracer = isinstance(leaf, jax.core.Tracer)
+  tracer = isinstance(leaf, Tracer)
   sharding = jax.typeof(leaf).sharding if tracer else getattr(leaf, "sharding", None)
   spec = getattr(sharding, "spec", None)
   if spec is None:

@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -190,7 +191,7 @@ def mesh_of(axis_name: str, trees: Any) -> Any:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     for leaf in _arrays(trees):
-      sharding = jax.typeof(leaf).sharding if isinstance(leaf, jax.core.Tracer) else None
+      sharding = jax.typeof(leaf).sharding if isinstance(leaf, Tracer) else None
       sharding = sharding or getattr(leaf, "sharding", None)
       found = getattr(sharding, "mesh", None)
       if found is not None and not found.empty and axis_name in found.axis_names:

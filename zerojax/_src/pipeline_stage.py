@@ -426,6 +426,8 @@ def fused_program(config: Config, weights, loss_params, x, targets):
   stage = Stage(config, weights, loss_params)
   table = config.timetable(backward=True)
   slots = table.in_flight
+  loss_fn = config.loss_fn
+  assert loss_fn is not None, "the fused program computes the loss in the last stage"
   consts = stage.consts(x, targets)
   form = Form.of(stage, consts)
   state = {
@@ -448,7 +450,7 @@ def fused_program(config: Config, weights, loss_params, x, targets):
     targets = _at(consts["ts"], m)
 
     def head(diff, h):  # this micro-batch's share of the mean over micro-batches
-      loss = config.loss_fn(stage.loss_params.join(diff, consts["lf"]), h, *targets)
+      loss = loss_fn(stage.loss_params.join(diff, consts["lf"]), h, *targets)
       return loss / config.microbatches, loss
 
     (_, loss), (dl, dh) = jax.value_and_grad(head, argnums=(0, 1), has_aux=True)(
