@@ -23,8 +23,9 @@ stage, schedule and reduction it reports:
   ones, next to GPipe's (S - 1) / (M + S - 1);
 * the reduce-scatters and all-gathers of a step (``zerojax.diagnostics.count_collectives``);
 * with ``--target h100x8``, XLA's own estimate of the step
-  (``zerojax.diagnostics.scheduler_estimate``), and on CPU the step time,
-  the schedules timed side by side.
+  (``zerojax.diagnostics.scheduler_estimate``) and the loops it leaves out
+  (those without a collective log nothing), and on CPU the step time, the
+  schedules timed side by side.
 
 Run (CPU, about two minutes on two cores; H100, about as long)::
 
@@ -247,6 +248,7 @@ def run(args, mesh, stage: int, schedule: str, reduce: str, microbatches: int) -
     xla = zerojax.diagnostics.scheduler_estimate(log, compiled)
     row["XLA cycles"] = xla.cycles
     row["waiting"] = xla.wasted / xla.cycles
+    row["unlogged"] = len(xla.silent)
   return row, (compiled, stored, state, batch)
 
 
@@ -348,6 +350,7 @@ COLUMNS = {
   "step ms": ("CPU step ms", ".0f"),
   "XLA cycles": ("XLA estimate (cycles)", ",.0f"),
   "waiting": ("waiting", ".2f"),
+  "unlogged": ("loops unlogged", "d"),
 }
 
 
