@@ -462,21 +462,13 @@ def fused_program(config: Config, weights, loss_params, x, targets):
     state["gl"] = _added(mine, state["gl"], dl)
     return state
 
-  def backward_slot(state, consts, m):
-    state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    stored, dys = _at((state["stored"], state["dys"]), m % slots)
-    cotangent = jax.tree.map(lambda d, c: jnp.where(stage.last, d, c), dys, state["cot"])
-    dw, dh = form.pullback(consts, stored)(cotangent)
-    state["gw"] = _added(active, state["gw"], dw)
-    state["dxs"] = _masked(active, state["dxs"], dh, m)
-    state["sent_cot"] = dh
-    return state
-
+  backward_slot = _backward_slot(
+    stage, form, lambda state, m: _at((state["stored"], state["dys"]), m % slots)
+  )
   state = _ticks(stage, table, consts, state, forward_slot, backward_slot)
   loss = stage.only(stage.last, jnp.mean(state["losses"]))
   gl = stage.only(stage.last, stage.loss_params.finish(state["gl"]))
-  gw = jax.tree.map(lambda g: g[None], stage.weights.finish(state["gw"]))
-  dx = stage.only(stage.first, stage.merge(state["dxs"]))
+  gw, dx = _gradients(stage, state)
   return loss, (gw, gl, dx)
 
 
@@ -524,17 +516,32 @@ def backward_program(config: Config, treedef, where, stored, weights, x, dy):
   }
   state["sent_cot"] = state["cot"]
 
+  backward_slot = _backward_slot(stage, form, lambda state, m: _at((state["stored"], dys), m))
+  return _gradients(stage, _ticks(stage, table, consts, state, None, backward_slot))
+
+
+def _backward_slot(stage: Stage, form: Form, saved: Callable[..., Any]) -> Callable[..., Any]:
+  """A backward slot: micro-batch ``m``'s pullback applied to its output's cotangent.
+
+  ``saved(state, m)`` gives the micro-batch's stored residuals and the loss's
+  cotangent of its output, which the last stage uses; the others use the
+  cotangent the next stage sent.
+  """
+
   def backward_slot(state, consts, m):
     state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    stored = _at(state["stored"], m)
-    cotangent = jax.tree.map(lambda d, c: jnp.where(stage.last, d, c), _at(dys, m), state["cot"])
+    stored, dys = saved(state, m)
+    cotangent = jax.tree.map(lambda d, c: jnp.where(stage.last, d, c), dys, state["cot"])
     dw, dh = form.pullback(consts, stored)(cotangent)
     state["gw"] = _added(active, state["gw"], dw)
     state["dxs"] = _masked(active, state["dxs"], dh, m)
     state["sent_cot"] = dh
     return state
 
-  state = _ticks(stage, table, consts, state, None, backward_slot)
+  return backward_slot
+
+
+def _gradients(stage: Stage, state) -> tuple[Any, Any]:
+  """The stage's weights' gradient (with its stage axis) and ``x``'s, from the summed slots."""
   gw = jax.tree.map(lambda g: g[None], stage.weights.finish(state["gw"]))
-  dx = stage.only(stage.first, stage.merge(state["dxs"]))
-  return gw, dx
+  return gw, stage.only(stage.first, stage.merge(state["dxs"]))
