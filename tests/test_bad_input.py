@@ -9,6 +9,7 @@ import pathlib
 import re
 import warnings
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 from jax.sharding import AxisType
 
 import zerojax
+import zerojax.flax
 
 MESH_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 GUIDE = pathlib.Path(__file__).parent.parent / "docs" / "guide.md"
@@ -187,6 +189,85 @@ def loss_not_a_scalar(types):
   jax.jit(zerojax.value_and_grad(loss, tx))(_w(tx), jnp.ones((8, 4)))
 
 
+def _stage_mesh(types):
+  return jax.make_mesh((2, 4), ("stage", "data"), (types, types))
+
+
+def _staged(mesh, shape=(2, 2, 16, 16)):
+  return jax.device_put(jnp.ones(shape), jax.NamedSharding(mesh, jax.P("stage")))
+
+
+def _stage(w, h):
+  return zerojax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, w)[0]
+
+
+def _pipelined(mesh, w, x, stage_fn=_stage, **options):
+  with jax.set_mesh(mesh):
+    return jax.jit(lambda w, x: zerojax.pipeline(stage_fn, w, x, **options))(w, x)
+
+
+def indivisible_pipeline_micro_batches(types):
+  mesh = _stage_mesh(types)
+  _pipelined(mesh, _staged(mesh), jnp.ones((6, 16)), microbatches=4)
+
+
+def schedule_typo(types):
+  mesh = _stage_mesh(types)
+  _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, schedule="1fb1")
+
+
+def one_f_one_b_without_the_loss(types):
+  mesh = _stage_mesh(types)
+  _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, schedule="1f1b")
+
+
+def pipeline_on_a_mesh_without_stages(types):
+  mesh = _mesh(types)
+  w = jax.device_put(jnp.ones((2, 16, 16)), jax.NamedSharding(mesh, jax.P()))
+  _pipelined(mesh, w, jnp.ones((8, 16)), microbatches=2)
+
+
+def stage_params_not_one_per_stage(types):
+  _pipelined(_stage_mesh(types), jnp.ones((3, 16, 16)), jnp.ones((8, 16)), microbatches=2)
+
+
+def stage_changes_the_activations_shape(types):
+  mesh = _stage_mesh(types)
+  narrow = lambda w, h: _stage(w, h)[:, :8]
+  _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), narrow, microbatches=2)
+
+
+def value_and_grad_under_a_shard_map_over_every_axis(types):
+  mesh = _stage_mesh(types)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
+  params = tx.shard({"w": _staged(mesh, (2, 4, 1024))})
+  inner = lambda p, x: zerojax.value_and_grad(_loss, tx)(p, x)[0]
+  with jax.set_mesh(mesh):
+    specs = ({"w": jax.P("stage", None, "data")}, jax.P())
+    jax.shard_map(inner, in_specs=specs, out_specs=jax.P())(params, jnp.ones((8, 4)))
+
+
+def stage_layers_split_over_data(types):
+  mesh = _stage_mesh(types)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
+  params = tx.shard({"w": jnp.ones((2, 4, 16, 16))})  # not placed on the stage axis first
+  loss = lambda p, x: jnp.sum(zerojax.pipeline(_stage, p["w"], x, microbatches=2))
+  with jax.set_mesh(mesh):
+    zerojax.value_and_grad(loss, tx)(params, jnp.ones((8, 16)))
+
+
+def flax_layers_that_stages_cannot_share(types):
+  class Block(flax.linen.Module):
+    @flax.linen.compact
+    def __call__(self, h, _):
+      return flax.linen.Dense(16)(h), None
+
+  layers = zerojax.flax.pipeline(Block, length=3, microbatches=2)()
+  params = layers.init(jax.random.key(0), jnp.ones((8, 16)))
+  with jax.set_mesh(_stage_mesh(types)):
+    layers.apply(params, jnp.ones((8, 16)))
+
+
 # The first column of docs/guide.md's errors table, and the misuse that raises each.
 CASES = {
   "mesh has no axis 'dta' (its axes are ('data',)); did you mean axis_name='data'?": axis_name_typo,
@@ -239,6 +320,29 @@ CASES = {
     transformation_as_checkpoint_spec
   ),
   "num_devices must be a whole number, at least 1, got 8.5": devices_not_whole,
+  "zerojax.pipeline splits x of shape (6, 16) into 4 micro-batches": (
+    indivisible_pipeline_micro_batches
+  ),
+  "schedule must be one of ('gpipe', '1f1b'), got '1fb1'; did you mean '1f1b'?": schedule_typo,
+  "the loss must be computed inside the pipeline: pass loss_fn=": one_f_one_b_without_the_loss,
+  "mesh has no axis 'stage' (its axes are ('data',)) to run the pipeline stages over": (
+    pipeline_on_a_mesh_without_stages
+  ),
+  "stage_params has shape (3, 16, 16), but the mesh's 'stage' axis has 2 stages": (
+    stage_params_not_one_per_stage
+  ),
+  "stage_fn returned float32[4, 8] for a micro-batch of float32[4, 16]": (
+    stage_changes_the_activations_shape
+  ),
+  "zerojax.value_and_grad was called where the mesh axes ['data'] are already manual": (
+    value_and_grad_under_a_shard_map_over_every_axis
+  ),
+  "stage_params is split over the data axes along dimension 1, its per-stage layer axis": (
+    stage_layers_split_over_data
+  ),
+  "layers['Dense_0']['bias'] stacks 3 layers, which the 2 stages of the 'stage' axis": (
+    flax_layers_that_stages_cannot_share
+  ),
 }
 
 # Misuses the table covers with another row's message.

@@ -47,6 +47,12 @@ CASES = [
     "splits; take model= one of 2, 4, 8, 16",
   ),
   ("train_lm", ["--mesh", "data=4,model"], "'data=4,model' is not axis=size"),
+  ("train_lm", ["--schedule", "1f1b"], "--schedule 1f1b runs pipeline stages: add stage=N"),
+  (
+    "train_lm",
+    ["--mesh", "stage=8,data=1"],
+    "--mesh stage=8 does not divide the small model's 4 layers among the pipeline stages",
+  ),
   ("train_lm", ["--mesh", "data=16"], "--devices 16, but JAX has 8 devices"),
   ("train_lm", ["--devices", "4", "--mesh", "data=2"], "--devices 4 but --mesh has 2"),
   ("train_lm", ["--stage", "2", "--quantized-weights", "int8"], "--quantized-weights applies"),

@@ -23,6 +23,8 @@ from zerojax._src.estimate import (
 from zerojax._src.export import export_safetensors, load_params
 from zerojax._src.grad import value_and_grad
 from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
+from zerojax._src.pipeline import pipeline
+from zerojax._src.pipeline_schedule import Timetable, pipeline_timetable
 from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
 from zerojax._src.quantize import Quantization
 from zerojax._src.scan import scan
@@ -44,6 +46,7 @@ __all__ = (
   "Quantization",
   "Shard",
   "StateSpec",
+  "Timetable",
   "ZeroState",
   "ZeroTransformation",
   "default_shard_dim",
@@ -54,6 +57,8 @@ __all__ = (
   "export_safetensors",
   "gather",
   "load_params",
+  "pipeline",
+  "pipeline_timetable",
   "remat_policy",
   "scan",
   "train_state_spec",

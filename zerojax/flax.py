@@ -3,7 +3,8 @@
 Linen: ``gathered`` and ``remat_gathered`` wrap module classes so that each
 module gathers its own parameters when it is called (one layer per iteration
 under ``nn.scan``), and ``scan`` runs a layer stack with ``zerojax.scan``
-(each layer gathered one ahead). NNX: ``nnx_value_and_grad`` is
+(each layer gathered one ahead), and ``pipeline`` splits that stack into
+pipeline stages (``zerojax.pipeline``). NNX: ``nnx_value_and_grad`` is
 ``zerojax.value_and_grad`` for a loss of an ``nnx.Module``, ``nnx_gathered``
 gathers one submodule, and ``nnx_scan`` runs stacked layers with
 ``zerojax.scan``.
@@ -11,14 +12,16 @@ gathers one submodule, and ``nnx_scan`` runs stacked layers with
 ``zerojax`` transformation as their ``tx`` unchanged. See docs/flax.md.
 """
 
-from zerojax._src.flax_linen import gathered, remat_gathered, scan
-from zerojax._src.flax_nnx import nnx_gathered, nnx_scan, nnx_value_and_grad
+from zerojax._src.flax_linen import gathered, pipeline, remat_gathered, scan
+from zerojax._src.flax_nnx import nnx_gathered, nnx_pipeline, nnx_scan, nnx_value_and_grad
 
 __all__ = (
   "gathered",
   "nnx_gathered",
+  "nnx_pipeline",
   "nnx_scan",
   "nnx_value_and_grad",
+  "pipeline",
   "remat_gathered",
   "scan",
 )

@@ -15,7 +15,7 @@ import pathlib
 #: Validation windows per evaluation, in units of ``batch_size``.
 EVAL_BATCHES = 4
 #: The mesh axes the example knows, in mesh order.
-MESH_AXES = ("replica", "data", "model")
+MESH_AXES = ("stage", "replica", "data", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,10 @@ class Config:
     quantized_gradients: ``"int8"``, ``"int4"`` or ``None``.
     quantization_block_size: elements per scale.
     offload: ``"optimizer"``, ``"optimizer+master"`` or ``None``: what lives in host memory.
-    microbatches: micro-batches accumulated per step.
+    microbatches: micro-batches accumulated per step (with a ``stage`` axis, the
+      pipeline's micro-batches).
+    schedule: the pipeline schedule (``"gpipe"`` or ``"1f1b"``) with a ``stage``
+      axis, as given (``None``: ``"gpipe"``).
     per_device_batch: the most sequences a device takes at once, if given:
       ``microbatches`` is then what reaches ``batch_size`` on these devices.
     prefetch: layers gathered ahead of the compute by ``zerojax.scan`` (0 or 1).
@@ -95,6 +98,7 @@ class Config:
   quantization_block_size: int
   offload: str | None
   microbatches: int
+  schedule: str | None
   per_device_batch: int | None
   prefetch: int
   checkpoint_dir: pathlib.Path | None
@@ -120,6 +124,11 @@ class Config:
   def mesh_shape(self) -> dict[str, int]:
     """The mesh's axes and sizes: ``mesh``, or ``devices`` on one ``data`` axis."""
     return self.mesh or {"data": self.devices}
+
+  @property
+  def pipeline(self) -> str | None:
+    """The pipeline schedule, with a ``stage`` axis; ``None`` without one."""
+    return (self.schedule or "gpipe") if "stage" in self.mesh_shape else None
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
@@ -175,6 +184,13 @@ class Config:
     sizes = self.mesh_shape
     if math.prod(sizes.values()) != self.devices:
       return f"--devices {self.devices} but --mesh has {math.prod(sizes.values())}"
+    if self.schedule and "stage" not in sizes:
+      return f"--schedule {self.schedule} runs pipeline stages: add stage=N to --mesh"
+    if self.preset.n_layers % sizes.get("stage", 1):
+      return (
+        f"--mesh stage={sizes['stage']} does not divide the {self.model} model's "
+        f"{self.preset.n_layers} layers among the pipeline stages; take a stage count that does"
+      )
     model = sizes.get("model", 1)
     if self.preset.d_model % model:
       fits = [n for n in range(2, self.preset.d_model + 1) if self.preset.d_model % n == 0][:4]

@@ -5,8 +5,10 @@ attention, ReLU MLP, learned positions, tied embeddings) written as Flax Linen
 modules. Its layers run under ``zerojax.flax.scan``, so their parameters are
 stacked along a leading layer dimension (as ``nn.scan`` stacks them) and, under
 ZeRO-3, each layer is gathered one layer ahead of its compute and again in the
-backward pass: at most two layers are whole at once. ``tensor_parallel_specs``
-says how Megatron-style tensor parallelism places the layers' weights.
+backward pass: at most two layers are whole at once. With a pipeline schedule
+they run as stages over the mesh's ``stage`` axis (``zerojax.flax.pipeline``,
+the same parameters). ``tensor_parallel_specs`` says how Megatron-style tensor
+parallelism places the layers' weights, ``pipeline_specs`` how the stages do.
 """
 
 from __future__ import annotations
@@ -91,23 +93,65 @@ class GPT(nn.Module):
   n_heads: int
   seq_len: int
   prefetch: int = 1
+  schedule: str | None = None
+  microbatches: int = 1
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    """Next-byte logits, shape ``tokens.shape + (VOCAB,)``."""
+  def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    """Next-byte logits, shape ``tokens.shape + (VOCAB,)``; with ``targets``, the mean loss.
+
+    With a ``schedule`` the layers run as pipeline stages over the mesh's
+    ``stage`` axis (``zerojax.flax.pipeline``, with the same parameters):
+    ``"gpipe"`` returns their output to the head; ``"1f1b"`` computes the loss
+    in the last stage (so it needs ``targets``).
+    """
     embed, pos, norm_out = zerojax.flax.gathered(Tables)(self.d_model, self.seq_len)()
     # A one-hot matmul rather than a gather: its sharding follows the tokens' in
     # every view (a gather under explicit sharding must be told its output's).
     x = jax.nn.one_hot(tokens, VOCAB) @ embed + pos[: tokens.shape[1]]
-    layers = zerojax.flax.scan(Block, length=self.n_layers, prefetch=self.prefetch)
     residual_std = 0.02 / math.sqrt(2 * self.n_layers)
-    x, _ = layers(self.d_model, self.n_heads, residual_std, name="layers")(x, None)
-    return rms_norm(x, norm_out) @ embed.T
+    block = (self.d_model, self.n_heads, residual_std)
+    if self.schedule is None:
+      layers = zerojax.flax.scan(Block, length=self.n_layers, prefetch=self.prefetch)
+      x, _ = layers(*block, name="layers")(x, None)
+    else:
+      layers = zerojax.flax.pipeline(
+        Block,
+        length=self.n_layers,
+        microbatches=self.microbatches,
+        schedule=self.schedule,
+        prefetch=self.prefetch,
+      )(*block, name="layers")
+      if self.schedule != "gpipe":
+        return layers(x, loss_fn=head_loss, loss_params=(embed, norm_out), targets=(targets,))
+      x = layers(x)
+    return (
+      head_loss((embed, norm_out), x, targets) if targets is not None else head(embed, norm_out, x)
+    )
 
 
-def make_model(preset: configs.Preset, seq_len: int, prefetch: int = 1) -> GPT:
-  """The GPT of ``preset``'s size, for windows of ``seq_len`` bytes."""
-  return GPT(preset.d_model, preset.n_layers, preset.n_heads, seq_len, prefetch)
+def head(embed: jax.Array, norm_out: jax.Array, x: jax.Array) -> jax.Array:
+  """Next-byte logits of the last layer's output (the embedding is tied)."""
+  return rms_norm(x, norm_out) @ embed.T
+
+
+def head_loss(tables: tuple[jax.Array, jax.Array], x: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-byte cross-entropy, in nats, computed in fp32 whatever the compute dtype."""
+  logits = head(*tables, x).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def make_model(
+  preset: configs.Preset,
+  seq_len: int,
+  prefetch: int = 1,
+  schedule: str | None = None,
+  microbatches: int = 1,
+) -> GPT:
+  """The GPT of ``preset``'s size, for windows of ``seq_len`` bytes (pipelined with a schedule)."""
+  return GPT(
+    preset.d_model, preset.n_layers, preset.n_heads, seq_len, prefetch, schedule, microbatches
+  )
 
 
 def init_params(model: GPT, seed: int) -> dict[str, Any]:
@@ -118,8 +162,7 @@ def init_params(model: GPT, seed: int) -> dict[str, Any]:
 
 def loss_fn(params: dict[str, Any], x: jax.Array, y: jax.Array, model: GPT) -> jax.Array:
   """Mean next-byte cross-entropy, in nats, computed in fp32 whatever the compute dtype."""
-  logits = model.apply({"params": params}, x).astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return model.apply({"params": params}, x, y)
 
 
 def sample(params: Any, model: GPT, key: jax.Array, prompt: str = SAMPLE_PROMPT) -> str:
@@ -145,6 +188,12 @@ def sample(params: Any, model: GPT, key: jax.Array, prompt: str = SAMPLE_PROMPT)
 
   out = np.asarray(generate(params, buffer, key))[: start + SAMPLE_LENGTH]
   return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def pipeline_specs(specs: dict[str, Any], axis: str = "stage") -> dict[str, Any]:
+  """``specs`` with the stacked layers' leading dimension on ``axis``: a stage's layers each."""
+  on_stages = lambda path, spec: P(axis, *spec[1:]) if path[0].key == "layers" else spec
+  return jax.tree_util.tree_map_with_path(on_stages, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def tensor_parallel_specs(params: dict[str, Any], axis: str = "model") -> dict[str, Any]:

@@ -57,7 +57,8 @@ def describe(config: configs.Config, n_params: int, platform: str, corpus: Any) 
     f"{f', {host[config.offload]} in host memory' if config.offload else ''}; "
     f"batch {config.batch_size} = "
     f"{config.device_batch} per device x {config.batch_devices} x "
-    f"{_count(config.microbatches, 'micro-batch', 'micro-batches')}; "
+    f"{_count(config.microbatches, 'micro-batch', 'micro-batches')}"
+    f"{f' ({config.pipeline} pipeline)' if config.pipeline else ''}; "
     f"{len(corpus.train) / 1e6:.2f}M train bytes, {len(corpus.val) / 1e3:.0f}K validation bytes"
   )
 

@@ -87,9 +87,12 @@ def make_setup(
       replica_axis="replica" if "replica" in mesh.axis_names else None,
       **options,
     )
-    grad_fn = zerojax.value_and_grad(loss, tx, microbatches=microbatches)
+    # With pipeline stages, the pipeline splits the batch into the micro-batches.
+    accumulated = 1 if "stage" in mesh.axis_names else microbatches
+    grad_fn = zerojax.value_and_grad(loss, tx, microbatches=accumulated)
     # Jitted here so that repeated calls (every evaluation) reuse one compilation.
-    place, init, gather = tx.shard, tx.init, jax.jit(tx.gather)
+    place, init = tx.shard, tx.init
+    gather = jax.jit(lambda params: off_stages(tx.gather(params), mesh))
 
   def step(params, opt_state, x, y):
     # The optimizer state carries the fp16 loss scale (and is ignored by stage 0).
@@ -101,10 +104,29 @@ def make_setup(
 
 
 def place_on_model_axis(params: Any, mesh: jax.sharding.Mesh) -> Any:
-  """``params`` on ``mesh``: Megatron-style over ``model`` if the mesh has it, else replicated."""
+  """``params`` on ``mesh``: Megatron-style over ``model`` if the mesh has it, else replicated;
+  the stacked layers split over ``stage`` (a stage's layers each) if it has that."""
   if "model" in mesh.axis_names:
     specs = lm_model.tensor_parallel_specs(params)
   else:
     specs = jax.tree.map(lambda _: P(), params)
+  if "stage" in mesh.axis_names:
+    specs = lm_model.pipeline_specs(specs)
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
   return jax.device_put(params, shardings)
+
+
+def off_stages(params: Any, mesh: jax.sharding.Mesh) -> Any:
+  """``params`` (inside ``jax.jit``) with the stage axis taken out of their placement.
+
+  For the unpipelined model that evaluates and samples: it scans every layer on
+  every device.
+  """
+  if "stage" not in mesh.axis_names:
+    return params
+
+  def whole(x):
+    spec = [None if entry == "stage" else entry for entry in jax.typeof(x).sharding.spec]
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+  return jax.tree.map(whole, params)

@@ -33,11 +33,17 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   say = print if leader else lambda *_, **__: None
   batches = lm_data.Batches(config, mesh)
   model = lm_model.make_model(config.preset, config.seq_len, config.prefetch)
+  # With pipeline stages, the step's model runs its layers as stages; evaluation and
+  # sampling run them all on every device. Both have the same parameters.
+  stepped = lm_model.make_model(
+    config.preset, config.seq_len, config.prefetch, config.pipeline, config.microbatches
+  )
   loss = functools.partial(lm_model.loss_fn, model=model)
   schedule = learning_rate_schedule(config, say)
   optimizer = stages.make_optimizer(schedule.lr, schedule.steps)
+  step_loss = functools.partial(lm_model.loss_fn, model=stepped)
   setup = stages.make_setup(
-    config.stage, mesh, optimizer, loss, config.microbatches, **zero_options(config)
+    config.stage, mesh, optimizer, step_loss, config.microbatches, **zero_options(config)
   )
   initial = stages.place_on_model_axis(lm_model.init_params(model, config.seed), mesh)
   n_params = sum(x.size for x in jax.tree.leaves(initial))

@@ -37,6 +37,23 @@ def params(tree: Any, stored: layout_lib.Layout, settings: Settings) -> None:
   on_mesh(tree, settings, "params", "place the params with tx.shard(params)")
 
 
+def not_manual(settings: Settings) -> None:
+  """Raises if ``value_and_grad`` runs where its batch axes are already manual.
+
+  Its ``shard_map`` would bind them a second time, which XLA refuses to lower
+  ("Cannot lower jaxpr with verifier errors").
+  """
+  bound = sorted(set(jax.sharding.get_abstract_mesh().manual_axes) & set(settings.batch_axes))
+  if bound:
+    raise ValueError(
+      f"zerojax.value_and_grad was called where the mesh axes {bound} are already manual "
+      "(inside a jax.shard_map over them, or inside zerojax.pipeline's stage_fn), and its "
+      "own shard_map over them would bind them again. Call it around the whole loss: "
+      "inside loss_fn, run the pipeline stages with zerojax.pipeline, and let a "
+      "jax.shard_map of your own name only its axes (axis_names={'stage'})."
+    )
+
+
 def on_mesh(tree: Any, settings: Settings, what: str, fix: str) -> None:
   """Raises if a leaf of ``tree`` lives on another mesh than ``settings.mesh``.
 

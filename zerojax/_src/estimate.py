@@ -12,6 +12,7 @@ from zerojax._src import layout as layout_lib
 from zerojax._src import offload as offload_lib
 from zerojax._src import precision as precision_lib
 from zerojax._src import quantize, stages
+from zerojax._src.pipeline_stage import reduces_once
 from zerojax._src.plans import Planner
 from zerojax._src.settings import Settings
 from zerojax._src.state import fresh_loss_scale_and_counters
@@ -57,6 +58,7 @@ def _check(
   replicas: int = 1,
   tensor_parallel: int = 1,
   offload: str | None = None,
+  pipeline_stages: int = 1,
 ) -> stages.Stage:
   """The ``Stage`` numbered ``stage``, once the counts (and ``offload``) are checked."""
   offload_lib.resolve(offload, None)
@@ -69,6 +71,7 @@ def _check(
     ("num_devices", num_devices),
     ("replicas", replicas),
     ("tensor_parallel", tensor_parallel),
+    ("pipeline_stages", pipeline_stages),
   ):
     if not hasattr(value, "__index__") or isinstance(value, bool) or value < 1:
       raise ValueError(f"{name} must be a whole number, at least 1, got {value!r}.")
@@ -96,6 +99,8 @@ def estimate_memory(
   state_bytes: float = 12,
   master_bytes: float = 4,
   offload: str | None = None,
+  pipeline_stages: int = 1,
+  pipeline_reduce: str | None = None,
 ) -> MemoryEstimate:
   """Per-device bytes of parameters, gradients and optimizer state at a ZeRO stage.
 
@@ -118,6 +123,16 @@ def estimate_memory(
   stay replicated over it, such as norms, cost more). The job then has
   ``replicas * num_devices * tensor_parallel`` devices.
 
+  With ``pipeline_stages`` S above 1 (``zerojax.pipeline``), each device holds
+  one stage's share of the model, Ψ / S, as if every parameter were in the
+  pipelined layers; the job has S times the devices. Reducing once per step
+  (``pipeline_reduce="step"``, stage 2's default) sums a stage's gradients at
+  full size during the step, so ``grads`` is Ψ / S, as at stage 1; at stage 3
+  the stage's gathered weights are held for the step too (in ``params``).
+  ``"microbatch"`` (stage 3's default) keeps ZeRO's shares and reduces every
+  micro-batch. Activations come on top: the schedule holds
+  ``zerojax.pipeline_timetable(...).in_flight`` micro-batches of them.
+
   Args:
     num_params: Ψ, the number of parameters.
     num_devices: N, the size of the data-parallel axes.
@@ -129,6 +144,9 @@ def estimate_memory(
     state_bytes: K, optimizer-state bytes per parameter.
     master_bytes: bytes per parameter of the master weights.
     offload: ``None``, ``"optimizer"`` or ``"optimizer+master"``.
+    pipeline_stages: S, the size of the pipeline's stage axis.
+    pipeline_reduce: ``"step"``, ``"microbatch"`` or ``None`` (the stage's
+      default), as ``zerojax.pipeline``'s ``reduce``.
 
   Returns:
     A ``MemoryEstimate`` in bytes.
@@ -158,17 +176,31 @@ def estimate_memory(
     ...   offload="optimizer")
     >>> estimate.params / 1e9, estimate.optimizer_state / 1e9, estimate.host / 1e9
     (28.0, 0.0, 7.0)
+
+  The 7.5B model in 4 pipeline stages of 16-way data parallelism (64 devices):
+  stage 2, reducing once per step, holds a stage's whole gradient as stage 1
+  does; stage 3 reduces every micro-batch, unless told to reduce once.
+
+    >>> [round(zerojax.estimate_memory(
+    ...   7.5e9, num_devices=16, stage=s, pipeline_stages=4).total / 1e9, 2) for s in (1, 2, 3)]
+    [8.91, 8.91, 1.88]
+    >>> round(zerojax.estimate_memory(7.5e9, num_devices=16, stage=3, pipeline_stages=4,
+    ...   pipeline_reduce="step").total / 1e9, 2)
+    9.14
   """
-  stage_ = _check(num_devices, stage, replicas, tensor_parallel, offload)
-  num_params = num_params / tensor_parallel
+  stage_ = _check(num_devices, stage, replicas, tensor_parallel, offload, pipeline_stages)
+  once = reduces_once(pipeline_reduce, stage_.splits_params)
+  num_params = num_params / (tensor_parallel * pipeline_stages)
   share = lambda splits, size: _share(splits, size, size, num_devices)
   master = master_bytes if param_bytes < master_bytes else 0
   moved = offload_lib.Offload(offload)
   moved.check_master(bool(master))
   host_bytes = moved.host_bytes(state_bytes, master)
+  whole = pipeline_stages > 1 and once  # opened once, reduced once
+  gathered = num_params * param_bytes if whole and stage_.splits_params else 0.0
   return _estimate(
-    share(stage_.splits_params, num_params * param_bytes),
-    share(stage_.splits_grads, num_params * grad_bytes),
+    share(stage_.splits_params, num_params * param_bytes) + gathered,
+    share(stage_.splits_grads and not whole, num_params * grad_bytes),
     share(stage_.splits_state, num_params * (state_bytes - host_bytes)),
     share(stage_.splits_state, num_params * host_bytes),
   )
@@ -319,6 +351,9 @@ def estimate_communication(
   param_bytes: float = 2,
   grad_bytes: float = 2,
   regather: bool = True,
+  pipeline_stages: int = 1,
+  microbatches: int = 1,
+  pipeline_reduce: str | None = None,
 ) -> CommunicationEstimate:
   """Bytes per device per step that ``zerojax.value_and_grad`` and ``tx.update`` move.
 
@@ -338,6 +373,14 @@ def estimate_communication(
     ``quantized_gradients``, a quantized all-to-all and all-gather of the
     shard instead, twice ``moved_bytes(Ψ / N)``.
 
+  With ``pipeline_stages`` S above 1 (``zerojax.pipeline`` with
+  ``microbatches`` M), a device moves its stage's share, Ψ / S, once per step
+  where the stage reduces once per step (``pipeline_reduce``, see
+  ``estimate_memory``); reducing per micro-batch, stages 2 and 3
+  reduce-scatter in each of the M + S - 1 backward slots of the schedule (a
+  stage runs the slots of the bubble too, masked) and stage 3 gathers in each
+  forward and backward slot.
+
   Quantized, a collective moves ``Quantization.moved_bytes(Ψ)``: Ψ x bits / 8
   of codes and 4 bytes of scale per block (the padding of a last partial
   block not counted). Over a data axis of one device nothing moves.
@@ -355,6 +398,9 @@ def estimate_communication(
     grad_bytes: bytes per gradient element as reduced (the reduce dtype's).
     regather: stage 3: whether the backward pass gathers the weights again
       (remat with ``zerojax.remat_policy``).
+    pipeline_stages: S, the size of the pipeline's stage axis.
+    microbatches: M, the pipeline's micro-batches.
+    pipeline_reduce: as for ``estimate_memory``.
 
   Returns:
     A ``CommunicationEstimate`` in bytes.
@@ -373,8 +419,20 @@ def estimate_communication(
     >>> hybrid = zerojax.estimate_communication(7.5e9, num_devices=64, replicas=4, stage=3)
     >>> hybrid.replica_reductions
     234375000.0
+
+  In 4 pipeline stages with 8 micro-batches, stage 3 (per micro-batch) against once per step:
+
+    >>> per_microbatch = zerojax.estimate_communication(
+    ...   7.5e9, num_devices=16, stage=3, pipeline_stages=4, microbatches=8)
+    >>> once = zerojax.estimate_communication(
+    ...   7.5e9, num_devices=16, stage=3, pipeline_stages=4, microbatches=8, pipeline_reduce="step")
+    >>> round(per_microbatch.total / 1e9, 2), round(once.total / 1e9, 2)
+    (123.75, 7.5)
   """
-  stage_ = _check(num_devices, stage, replicas)
+  stage_ = _check(num_devices, stage, replicas, pipeline_stages=pipeline_stages)
+  if microbatches < 1:
+    raise ValueError(f"microbatches must be at least 1, got {microbatches}.")
+  num_params = num_params / pipeline_stages
   weights = quantize.resolve("quantized_weights", quantized_weights, quantization_block_size)
   gradients = quantize.resolve("quantized_gradients", quantized_gradients, quantization_block_size)
   quantize.check_stage(stage, quantized_weights)
@@ -396,6 +454,12 @@ def estimate_communication(
     return quantization.moved_bytes(num_params)
 
   passes = 2 if stage_.splits_params and regather else 1
+  reductions = 1
+  if pipeline_stages > 1:
+    slots = microbatches + pipeline_stages - 1  # of each kind, bubble included
+    once = reduces_once(pipeline_reduce, stage_.splits_params)
+    passes = 1 if once or not stage_.splits_params else 2 * slots
+    reductions = 1 if once or not stage_.splits_grads else slots
   shard = num_params / num_devices
   if replicas == 1:
     across = 0.0
@@ -403,7 +467,9 @@ def estimate_communication(
     across = shard * grad_bytes
   else:
     across = 2 * gradients.moved_bytes(shard)  # pyright: ignore[reportArgumentType] (Ψ/N)
-  return _communication(passes * moved(weights, param_bytes), moved(gradients, grad_bytes), across)
+  return _communication(
+    passes * moved(weights, param_bytes), reductions * moved(gradients, grad_bytes), across
+  )
 
 
 def _communication(weights, gradients, replicas) -> CommunicationEstimate:

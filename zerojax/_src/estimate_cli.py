@@ -20,6 +20,12 @@ from zerojax._src.estimate import (
 )
 
 _STAGE_NAMES = {0: "plain DP", 1: "zero1", 2: "zero2", 3: "zero3"}
+#: When pipeline stages reduce their gradients, by --pipeline-reduce.
+_REDUCTIONS = {
+  None: "once per step at zero2, per micro-batch at zero3",
+  "step": "once per step (zero3 then holds its stage's gathered weights too)",
+  "microbatch": "per micro-batch at zero2 and zero3",
+}
 #: The ZeRO paper's mixed-precision Adam: fp32 master copy (4), momentum (4) and variance (4).
 _PAPER_STATE_BYTES = 12
 _COMMUNICATION_CAPTION = (
@@ -68,11 +74,14 @@ def table(
   tensor_parallel: int = 1,
   offload: str | None = None,
   master_bytes: float = 4,
+  pipeline_stages: int = 1,
+  pipeline_reduce: str | None = None,
 ) -> str:
   """The table ``main`` prints: GB per device for each stage and data-axis size.
 
-  With ``replicas`` or ``tensor_parallel`` above 1, each row also gives the
-  job's total device count (replicas x data x tensor parallel). With
+  With ``replicas``, ``tensor_parallel`` or ``pipeline_stages`` above 1, each
+  row also gives the job's total device count (replicas x data x tensor
+  parallel x pipeline stages). With
   ``offload``, the cells of zero1-3 read "device memory + host memory" (plain
   DP is not offloaded); ``master_bytes`` is the master copy's share of
   ``state_bytes`` (see ``zerojax.estimate_memory``).
@@ -107,11 +116,14 @@ def table(
         state_bytes=state_bytes,
         master_bytes=master_bytes,
         offload=offload if stage else None,
+        pipeline_stages=pipeline_stages,
+        pipeline_reduce=pipeline_reduce,
       )
       host = f" + {estimate.host / 1e9:.2f}" if offload and stage else ""
       yield f"{estimate.total / 1e9:.2f}{host}"
 
-  return _grid(devices, replicas, tensor_parallel, 16 if offload else 10, row)
+  others = replicas * tensor_parallel * pipeline_stages
+  return _grid(devices, others, 16 if offload else 10, row)
 
 
 def communication_table(
@@ -123,6 +135,7 @@ def communication_table(
   quantized_weights: str | None = None,
   quantized_gradients: str | None = None,
   block_size: int = quantize.DEFAULT_BLOCK_SIZE,
+  pipeline: dict[str, Any] | None = None,
 ) -> str:
   """GB each device sends per step over a ring, per stage and data-axis size.
 
@@ -135,7 +148,10 @@ def communication_table(
   all-reduce (plain DP's, and hybrid sharding's sum of the shard across
   replicas) counted twice; ``zerojax.diagnostics.count_collectives`` counts it once.
 
-  With quantization, each cell also gives the ratio to the unquantized bytes.
+  ``pipeline`` holds ``estimate_communication``'s ``pipeline_stages``,
+  ``microbatches`` and ``pipeline_reduce``, for a device of one pipeline stage
+  (the pipeline's own activations not counted). With quantization, each cell
+  also gives the ratio to the unquantized bytes.
   zerojax quantizes only what zero1-3 move: plain data parallelism and stage 1
   and 2's all-gather of the updated parameters stay as they are.
 
@@ -164,6 +180,7 @@ def communication_table(
         replicas=replicas,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
+        **(pipeline or {}),
       )
       plain = _ring_bytes(num_params, **options)
       if not quantized:
@@ -178,7 +195,8 @@ def communication_table(
       )
       yield f"{moved / 1e9:.2f} ({moved / plain:.2f})" if plain else f"{moved / 1e9:.2f}"
 
-  return _grid(devices, replicas, 1, 14 if quantized else 10, row)
+  stages = (pipeline or {}).get("pipeline_stages", 1)
+  return _grid(devices, replicas * stages, 14 if quantized else 10, row)
 
 
 def _ring_bytes(num_params: float, *, stage: int, **options) -> float:
@@ -193,23 +211,22 @@ def _ring_bytes(num_params: float, *, stage: int, **options) -> float:
 
 def _grid(
   devices: list[int],
-  replicas: int,
-  tensor_parallel: int,
+  others: int,
   width: int,
   row: Callable[[int], Iterator[str]],
 ) -> str:
   """A table with one row per data-axis size and one column per stage.
 
   ``row(n)`` yields the stages' cells for data axes of size ``n``; with
-  ``replicas`` or ``tensor_parallel`` above 1, each row also gives the job's
-  total device count.
+  ``others`` (the devices of the other mesh axes) above 1, each row also gives
+  the job's total device count.
   """
-  multi_axis = replicas > 1 or tensor_parallel > 1
+  multi_axis = others > 1
   first = f"{'data':>8} {'devices':>8} " if multi_axis else f"{'devices':>8} "
   header = first + " ".join(f"{_STAGE_NAMES[s]:>{width}}" for s in STAGES)
   rows = [header, "-" * len(header)]
   for n in devices:
-    lead = f"{n:>8} {n * replicas * tensor_parallel:>8} " if multi_axis else f"{n:>8} "
+    lead = f"{n:>8} {n * others:>8} " if multi_axis else f"{n:>8} "
     rows.append(lead + " ".join(f"{cell:>{width}}" for cell in row(n)))
   return "\n".join(rows)
 
@@ -262,6 +279,13 @@ def main(argv: Sequence[str] | None = None) -> str | None:
         f"{args.tensor_parallel}-way tensor parallelism (every parameter counted as split over it)"
       )
     mesh = f"Mesh: {' x '.join(axes)}.\n"
+  if args.pipeline_stages > 1:
+    mesh += (
+      f"{args.pipeline_stages} pipeline stages (each device holds a stage's share of every "
+      f"model state); stage gradients reduce-scattered {_REDUCTIONS[args.pipeline_reduce]}. "
+      "Activations not included: a schedule holds zerojax.pipeline_timetable(...).in_flight "
+      "micro-batches of them.\n"
+    )
   memory = lambda offload: table(
     args.params,
     args.devices,
@@ -272,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> str | None:
     args.tensor_parallel,
     offload,
     master_bytes=jnp.dtype(args.dtype).itemsize,
+    pipeline_stages=args.pipeline_stages,
+    pipeline_reduce=args.pipeline_reduce,
   )
   offloaded = ""
   if args.offload:
@@ -328,6 +354,11 @@ def _communication(args: argparse.Namespace) -> str:
     args.grad_bytes,
     args.replicas,
     block_size=args.block_size,
+    pipeline=dict(
+      pipeline_stages=args.pipeline_stages,
+      microbatches=args.microbatches,
+      pipeline_reduce=args.pipeline_reduce,
+    ),
     **quantization,
   )
   text = f"{_COMMUNICATION_CAPTION}\n{tables()}"
@@ -373,6 +404,24 @@ def _parser() -> argparse.ArgumentParser:
   )
   parser.add_argument(
     "--tensor-parallel", type=_whole(least=1), default=1, help="size of the tensor-parallel axes"
+  )
+  parser.add_argument(
+    "--pipeline-stages",
+    type=_whole(least=1),
+    default=1,
+    help="size of the pipeline's stage axis (zerojax.pipeline): each device holds one stage",
+  )
+  parser.add_argument(
+    "--microbatches",
+    type=_whole(least=1),
+    default=1,
+    help="with --pipeline-stages: the pipeline's micro-batches (for the communication)",
+  )
+  parser.add_argument(
+    "--pipeline-reduce",
+    choices=("step", "microbatch"),
+    help="with --pipeline-stages: reduce-scatter stage gradients once per step or once per "
+    "micro-batch (default: once per step at zero2, per micro-batch at zero3)",
   )
   for name, what in (("param", "bytes per parameter"), ("grad", "bytes per gradient element")):
     parser.add_argument(

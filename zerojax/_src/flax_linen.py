@@ -6,7 +6,8 @@ Inside ``zerojax.value_and_grad`` the parameters the layout splits reach
 so each module opens its own parameters right before it uses them; under
 ``nn.scan`` over stacked layers that is one layer per iteration. ``scan``
 runs a stack of layers with ``zerojax.scan`` instead, each layer gathered one
-ahead of its compute.
+ahead of its compute, and ``pipeline`` splits such a stack into pipeline
+stages (``zerojax.pipeline``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import flax.linen as nn
 
 from zerojax._src import collectives
+from zerojax._src import pipeline as pipeline_lib
 from zerojax._src import scan as scan_lib
 
 
@@ -184,3 +186,85 @@ def scan(
 
   Scanned.__name__ = Scanned.__qualname__ = f"Scan{target.__name__}"
   return Scanned
+
+
+def pipeline(
+  target: type[nn.Module],
+  *,
+  length: int,
+  microbatches: int,
+  schedule: str = "gpipe",
+  axis_name: str = "stage",
+  reduce: str | None = None,
+  prefetch: int = 1,
+  policy: Callable[..., bool] | None = None,
+) -> type[nn.Module]:
+  """``nn.scan`` of a layer whose stack runs as a pipeline over the ``axis_name`` mesh axis.
+
+  ``zerojax.flax.pipeline(Block, length=n, microbatches=m)`` is a module
+  class that ``init`` s exactly as ``zerojax.flax.scan(Block, length=n)`` does
+  (the same parameter tree, stacked ``(n, ...)``, from the same random
+  numbers), and that ``apply`` runs with ``zerojax.pipeline``: the stack is
+  split into as many stages as the mesh axis has devices (``n`` must divide),
+  each stage runs its layers with ``zerojax.scan`` (each layer gathered one
+  ahead, ``prefetch``), and micro-batches flow through the stages as
+  ``schedule`` says. Place the stacked parameters on the stage axis
+  (``NamedSharding(mesh, P(axis_name))``) before ``tx.shard``.
+
+  Calling the module as ``layers(h)`` returns the last layer's output
+  (``schedule="gpipe"``). ``layers(h, loss_fn=..., loss_params=...,
+  targets=(y,))`` computes the loss inside the pipeline and returns its mean
+  over micro-batches (any schedule; ``"1f1b"`` needs it): see
+  ``zerojax.pipeline``. ``Block`` has ``nn.scan``'s form ``(carry, x) ->
+  (carry, y)``; it receives ``x=None`` and its ``y`` is dropped.
+
+  Args:
+    target: the Linen module class of one layer.
+    length: the number of layers (all stages together).
+    microbatches: how many micro-batches the input is split into.
+    schedule: ``"gpipe"`` or ``"1f1b"``.
+    axis_name: the mesh axis of the stages.
+    reduce: as for ``zerojax.pipeline``.
+    prefetch: as for ``zerojax.scan``, inside each stage.
+    policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``.
+
+  Returns:
+    The module class.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, zerojax.flax
+    >>> import flax.linen as nn
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> class Block(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, h, _):
+    ...     return jnp.tanh(nn.Dense(h.shape[-1])(h)), None
+    >>> layers = zerojax.flax.pipeline(Block, length=4, microbatches=2)()
+    >>> params = layers.init(jax.random.key(0), jnp.ones((8, 16)))["params"]
+    >>> mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    >>> params = jax.device_put(params, NamedSharding(mesh, P("stage")))
+    >>> with jax.set_mesh(mesh):
+    ...   jax.jit(layers.apply)({"params": params}, jnp.ones((8, 16))).shape
+    (8, 16)
+  """
+  stacked = nn.scan(target, variable_axes={"params": 0}, split_rngs={"params": True}, length=length)
+  fields = [f.name for f in dataclasses.fields(target) if f.name not in ("parent", "name")]
+  options = dict(microbatches=microbatches, schedule=schedule, axis_name=axis_name, reduce=reduce)
+
+  class Pipelined(stacked):
+    def __call__(self, carry, *, loss_fn=None, loss_params=None, targets=()):
+      if self.is_initializing():
+        h = super().__call__(carry, None)[0]
+        return h if loss_fn is None else loss_fn(loss_params, h, *targets)
+      block = target(**{name: getattr(self, name) for name in fields}, parent=None)
+
+      def stage_fn(params, h):
+        layer = lambda h, params: block.apply({"params": params}, h, None)
+        return scan_lib.scan(layer, h, params, prefetch=prefetch, policy=policy)[0]
+
+      stages = pipeline_lib.by_stage(self.variables["params"], axis_name)
+      head = dict(loss_fn=loss_fn, loss_params=loss_params, targets=targets)
+      return pipeline_lib.pipeline(stage_fn, stages, carry, **options, **head)
+
+  Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{target.__name__}"
+  return Pipelined

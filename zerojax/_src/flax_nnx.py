@@ -5,7 +5,8 @@ function of a parameter pytree. ``nnx_value_and_grad`` bridges the two the way
 ``nnx.value_and_grad`` does: it splits the model into its ``nnx.Param`` state
 and the rest, and rebuilds the model inside the per-device loss.
 ``nnx_gathered`` gathers one submodule's parameters where the model uses it,
-and ``nnx_scan`` runs a stack of layers with ``zerojax.scan``.
+``nnx_scan`` runs a stack of layers with ``zerojax.scan``, and
+``nnx_pipeline`` splits such a stack into pipeline stages.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flax import nnx
 
 from zerojax._src import collectives
 from zerojax._src import grad as grad_lib
+from zerojax._src import pipeline as pipeline_lib
 from zerojax._src import scan as scan_lib
 from zerojax._src.zero import ZeroTransformation
 
@@ -170,3 +172,83 @@ def nnx_scan(
     return f(nnx.merge(graphdef, params, rest), carry, x)
 
   return scan_lib.scan(layer, carry, (params, rest, xs), prefetch=prefetch, policy=policy)
+
+
+def nnx_pipeline(
+  f: Callable[..., Any],
+  layers: nnx.Module,
+  carry: Any,
+  *,
+  microbatches: int,
+  schedule: str = "gpipe",
+  loss_fn: Callable[..., Any] | None = None,
+  loss_params: Any = None,
+  targets: tuple[Any, ...] = (),
+  axis_name: str = "stage",
+  reduce: str | None = None,
+  prefetch: int = 1,
+  policy: Callable[..., bool] | None = None,
+) -> Any:
+  """``zerojax.pipeline`` over a stack of NNX layers (a module with stacked state, ``nnx.vmap``).
+
+  The stack's ``n`` layers are split into as many stages as the mesh's
+  ``axis_name`` axis has devices (``n`` must divide), each stage runs its
+  layers with ``zerojax.scan`` (``f(layer, carry) -> carry`` once per layer,
+  each layer gathered one ahead under ``nnx_value_and_grad(..., gather=False)``),
+  and micro-batches of ``carry`` flow through the stages as ``schedule``
+  says. Place the stack's state on the stage axis along its leading
+  dimension before ``tx.shard``. Layers are read, not written.
+
+  Args:
+    f: one layer's step, ``f(layer, carry) -> carry``.
+    layers: the stacked module (every variable with a leading layer axis).
+    carry: the first stage's input, split into ``microbatches`` along its
+      leading axis.
+    microbatches: how many micro-batches.
+    schedule: ``"gpipe"`` or ``"1f1b"``.
+    loss_fn: as for ``zerojax.pipeline``: ``loss_fn(loss_params, h,
+      *targets)``, the loss computed by the last stage.
+    loss_params: what ``loss_fn`` differentiates (an ``nnx.State``, say).
+    targets: arrays ``loss_fn`` reads, split into micro-batches.
+    axis_name: the mesh axis of the stages.
+    reduce: as for ``zerojax.pipeline``.
+    prefetch: as for ``zerojax.scan``, inside each stage.
+    policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``.
+
+  Returns:
+    The last stage's output, or the mean loss with ``loss_fn``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, zerojax.flax
+    >>> from flax import nnx
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> layers = nnx.vmap(lambda rngs: nnx.Linear(16, 16, rngs=rngs))(nnx.Rngs(0).split(4))
+    >>> mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    >>> state = nnx.state(layers)
+    >>> nnx.update(layers, jax.device_put(state, NamedSharding(mesh, P("stage"))))
+    >>> step = lambda layer, h: jnp.tanh(layer(h))
+    >>> with jax.set_mesh(mesh):
+    ...   y = zerojax.flax.nnx_pipeline(step, layers, jnp.ones((8, 16)), microbatches=2)
+    >>> y.shape
+    (8, 16)
+  """
+  graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
+
+  def stage_fn(state, h):
+    def layer(h, state):
+      return f(nnx.merge(graphdef, *state), h), None
+
+    return scan_lib.scan(layer, h, state, prefetch=prefetch, policy=policy)[0]
+
+  return pipeline_lib.pipeline(
+    stage_fn,
+    pipeline_lib.by_stage((params, rest), axis_name),
+    carry,
+    microbatches=microbatches,
+    schedule=schedule,
+    loss_fn=loss_fn,
+    loss_params=loss_params,
+    targets=targets,
+    axis_name=axis_name,
+    reduce=reduce,
+  )

@@ -124,6 +124,7 @@ class _ValueAndGrad:
         "f(params, x, y) (opt_state= is its only keyword)."
       )
     settings = self.settings
+    checks.not_manual(settings)
     plans = self.optimizer.plans(params)
     checks.params(params, plans.params, settings)
     checks.batch(batch, settings, self.microbatches)

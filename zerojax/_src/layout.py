@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -205,7 +206,10 @@ def default_shard_dim(
 
   The leading dimension of a leaf with two or more dimensions is never chosen:
   it is the layer dimension of stacked (scanned) weights, and a scan body must
-  see a whole layer's shard. Among the other dimensions, one that divides by
+  see a whole layer's shard. When another mesh axis splits that leading
+  dimension (pipeline stages: ``(stages, layers, ...)``), the next one is the
+  stage's layer dimension and is not chosen either, for three or more
+  dimensions. Among the other dimensions, one that divides by
   ``num_shards`` is preferred (no padding), and among those the most major
   (first). A dimension other mesh axes already split (``taken``) is shared
   only when no free one divides: the data axes then split it jointly, and it
@@ -229,12 +233,15 @@ def default_shard_dim(
     -2
     >>> zerojax.default_shard_dim((16, 512), 8, taken={1: 2})  # joins a tensor-parallel axis
     -1
+    >>> zerojax.default_shard_dim((2, 8, 512, 512), 8, taken={0: 2})  # pipeline stages' layers
+    -2
     >>> print(zerojax.default_shard_dim((4096, 1), 8))  # a Dense(1) kernel stays replicated
     None
   """
   ndim = len(shape)
   taken = taken or {}
-  candidates = [d for d in range(1 if ndim >= 2 else 0, ndim) if shape[d] > 1]
+  stacked = 2 if ndim >= 3 and 0 in taken else 1 if ndim >= 2 else 0  # leading layer dims
+  candidates = [d for d in range(stacked, ndim) if shape[d] > 1]
   if free_dims is not None:
     candidates = [d for d in candidates if d in free_dims]
   free = [d for d in candidates if d not in taken]
@@ -397,8 +404,13 @@ def _is_shardable(dtype: np.dtype) -> bool:
 
 
 def _placement(leaf, ndim: int) -> tuple[Any, ...]:
-  """The leaf's current ``PartitionSpec`` entries, one per dimension (all ``None`` if unplaced)."""
-  sharding = getattr(leaf, "sharding", None)
+  """The leaf's current ``PartitionSpec`` entries, one per dimension (all ``None`` if unplaced).
+
+  A tracer (``tx.shard`` under ``jax.eval_shape`` or ``jax.jit``) has its
+  placement in its type, under explicit axes.
+  """
+  tracer = isinstance(leaf, Tracer)
+  sharding = jax.typeof(leaf).sharding if tracer else getattr(leaf, "sharding", None)
   spec = getattr(sharding, "spec", None)
   if spec is None:
     return (None,) * ndim

@@ -208,7 +208,16 @@ def _arrays(values: list[Any]) -> list[jax.Array]:
 
 
 def _is_array(x: Any) -> bool:
-  return isinstance(x, jax.Array) and x.size > 0 and jnp.issubdtype(x.dtype, jnp.number)
+  """Whether ``x`` can anchor or take a link: a non-empty number array, whole on each device.
+
+  An array typed as split over an explicit mesh axis (pipeline stages'
+  parameters) cannot: explicit sharding refuses to read or update one element
+  of it, which lives on some devices only.
+  """
+  if not (isinstance(x, jax.Array) and x.size > 0 and jnp.issubdtype(x.dtype, jnp.number)):
+    return False
+  spec = getattr(jax.typeof(x).sharding, "spec", None) or ()
+  return all(entry is None for entry in spec)
 
 
 def _size(x: jax.Array) -> int:
