@@ -179,6 +179,8 @@ class Group(NamedTuple):
       stage 2's weights are typed as varying over them too.
     weights: the ``Quantization`` of the weight all-gathers, or ``None``.
     gradients: the ``Quantization`` of the gradient reductions, or ``None``.
+    secondary_axes: hpZ: the intra-node data axes the weights are gathered
+      over from their secondary partitions (``hpz.py``); ``()`` without hpZ.
   """
 
   transfers: tuple[Transfer, ...]
@@ -186,6 +188,7 @@ class Group(NamedTuple):
   replica_axes: tuple[str, ...]
   weights: quantize.Quantization | None
   gradients: quantize.Quantization | None
+  secondary_axes: tuple[str, ...] = ()
 
   def all_gather(self, values: Sequence[jax.Array]) -> list[jax.Array]:
     """The full weights of ``values`` (this device's shards), padding sliced off.

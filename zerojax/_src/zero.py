@@ -59,6 +59,7 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     quantized_gradients: that of the gradient reductions, or ``None``.
     offload: ``None``, ``"optimizer"`` or ``"optimizer+master"``: what lives in
       host memory between steps (see the factories' ``offload``).
+    secondary_axis: stage 3's hpZ axis (or axes), as given, or ``None``.
 
   Example:
     >>> import copy, jax, jax.numpy as jnp, optax, zerojax
@@ -126,6 +127,10 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   @property
   def offload(self) -> str | None:
     return self._optimizer.settings.offload.mode
+
+  @property
+  def secondary_axis(self) -> str | tuple[str, ...] | None:
+    return self._optimizer.settings.secondary_axis
 
   @property
   def num_shards(self) -> int:
@@ -313,6 +318,18 @@ _ARGS_DOC = """
       then keeps it apart as well, and stores its shards in the compute
       dtype. Numbers do not change. Raises on a platform without
       ``pinned_host`` memory. ``None`` by default; see docs/offload.md.
+    secondary_axis: stage 3 only: ZeRO++'s hierarchical partitioning (hpZ).
+      The data axis (or tuple of adjacent axes) of ``axis_name`` whose devices
+      share a node, e.g. ``axis_name=("node", "data"), secondary_axis="data"``.
+      Parameters are stored as without it, split over all of ``axis_name``;
+      each weight all-gather of ``zerojax.value_and_grad`` becomes one over
+      the other data axes (across nodes) that leaves each device its
+      secondary partition, 1/(devices per node) of the layer, followed by one
+      over ``secondary_axis`` (inside the node). The forward pass keeps the
+      secondary partitions, and the backward pass gathers from them, inside
+      the node. Numbers do not change; the gradients' reduce-scatter still
+      spans all the data axes. ``None`` by default; see docs/compression.md.
+
 
   Returns:
     A ``ZeroTransformation``.
@@ -339,6 +356,7 @@ def _stage(stage: int, summary: str):
     quantized_gradients: str | None = None,
     quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
     offload: str | None = None,
+    secondary_axis: str | tuple[str, ...] | None = None,
   ) -> ZeroTransformation:
     if isinstance(inner, ZeroTransformation):
       raise ValueError(

@@ -1,0 +1,182 @@
+"""hpZ, ZeRO++'s hierarchical partitioning: a second copy of each layer, inside a node.
+
+With ``secondary_axis`` stage 3 stores every parameter as it does without it,
+split over all the data axes (the primary partition), and opens a layer in two
+steps:
+
+1. an all-gather over the data axes that are *not* secondary (across nodes):
+   each device then holds its secondary partition, this device's
+   1/(devices per node) of the layer, in the compute dtype;
+2. an all-gather of the secondary partitions over the secondary axes (inside
+   the node): the whole layer.
+
+The forward pass keeps the secondary partition; the backward pass gathers the
+layer again from it, with step 2 only, so it never crosses a node. The gradient
+is reduce-scattered over all the data axes at once, exactly as without hpZ, so
+the numbers are those of plain stage 3: every weight arrives bit for bit as it
+would, and the same reduction makes the gradient.
+
+On a ``("node", "data")`` mesh with ``secondary_axis="data"``, device
+``(n, d)`` stores block ``4n + d`` of 8 (for 4 devices a node); step 1 gathers
+blocks ``d`` and ``4 + d`` (both nodes' block ``d``), and step 2 gathers those
+pairs from the node's 4 devices into the order ``0, 1, ..., 7``: the gathered
+dimension is inserted between the pair's two blocks, so nothing is reordered.
+
+What is saved for the backward pass is the remat policy's choice: the
+secondary partitions carry the ``jax.ad_checkpoint.checkpoint_name``
+``SECONDARY``, which ``zerojax.remat_policy`` and ``zerojax.except_gathered``
+save (and ``zerojax.scan`` keeps them itself), so the backward pass re-runs
+step 2 alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from zerojax._src import layout as layout_lib
+
+if TYPE_CHECKING:
+  from zerojax._src import comm
+
+#: ``jax.checkpoint_name`` of every secondary partition (what the backward pass gathers from).
+SECONDARY = "zerojax_secondary"
+
+
+def resolve(stage: int, axis_name: Any, secondary_axis: Any, mesh: Any) -> tuple[str, ...]:
+  """The secondary axes, as a tuple in ``axis_name``'s order, once checked (``()``: no hpZ).
+
+  Raises:
+    ValueError: if hpZ is asked of a stage other than 3, or ``secondary_axis``
+      is not a proper, contiguous part of ``axis_name``.
+  """
+  if secondary_axis is None:
+    return ()
+  example = "axis_name=('node', 'data'), secondary_axis='data'"
+  if stage != 3:
+    raise ValueError(
+      f"secondary_axis (ZeRO++'s hpZ) keeps a second, intra-node copy of the weights that "
+      f"stage 3 gathers before each use; stage {stage} keeps the parameters whole on every "
+      "device and gathers none. Use zerojax.zero3 with it, or drop secondary_axis."
+    )
+  data = layout_lib.axes(axis_name)
+  secondary = layout_lib.axes(secondary_axis)
+  if not secondary or len(set(secondary)) < len(secondary):
+    raise ValueError(
+      f"secondary_axis={secondary_axis!r} must name one or more distinct mesh axes, e.g. {example}."
+    )
+  outside = [name for name in secondary if name not in data]
+  if outside:
+    where = (
+      "a mesh axis" if outside[0] in mesh.axis_names else f"an axis of the mesh {mesh.axis_names}"
+    )
+    raise ValueError(
+      f"secondary_axis={secondary_axis!r} names {outside[0]!r}, which is not one of axis_name "
+      f"{data} (it is not {where} that the parameters are split over): the secondary copy is "
+      f"split over the intra-node axes among the data axes, e.g. {example}."
+    )
+  if len(secondary) == len(data):
+    raise ValueError(
+      f"secondary_axis={secondary_axis!r} names every data axis {data}: its copy would be the "
+      f"parameters' own split, and no gather would stay inside a node. Name the intra-node axes "
+      f"only ({example}), or drop secondary_axis."
+    )
+  ordered = tuple(name for name in data if name in secondary)
+  start = data.index(ordered[0])
+  if data[start : start + len(ordered)] != ordered:
+    raise ValueError(
+      f"secondary_axis={secondary_axis!r} must be adjacent in axis_name {data}: a node's "
+      "devices hold consecutive blocks of each parameter. Reorder axis_name (and the mesh) "
+      "so that they are."
+    )
+  return ordered
+
+
+def cross_axes(data_axes: tuple[str, ...], secondary_axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The data axes that are not secondary: those that cross nodes, in ``data_axes``' order."""
+  return tuple(name for name in data_axes if name not in secondary_axes)
+
+
+def secondaries(group: comm.Group, values: Sequence[jax.Array]) -> list[jax.Array]:
+  """Step 1: each shard's secondary partition (gathered across nodes), in the compute dtype.
+
+  With ``group.weights`` the shards move quantized (qwZ) and arrive
+  dequantized: the secondary partition holds exactly what a one-step gather
+  would have made of them. No derivative rule: ``gather`` gives one.
+  """
+  from zerojax._src import comm
+
+  cross = cross_axes(layout_lib.axes(group.axis_name), group.secondary_axes)
+  return [
+    comm.all_gather(value, layout_lib.entry(cross), t.axis, t.compute, group.weights)
+    for t, value in zip(group.transfers, values, strict=True)
+  ]
+
+
+def fulls(group: comm.Group, kept: Sequence[jax.Array]) -> list[jax.Array]:
+  """Step 2: the full weights from the secondary partitions, gathered inside the node.
+
+  The secondary partition of a shard ``s`` long on its sharded dimension is
+  ``(c_1, ..., c_m, s)`` blocks long there, one per coordinate of the cross
+  axes that precede the secondary ones in the data axes and of those that
+  follow them; the node's partitions are gathered into a new dimension right
+  after the preceding ones, which lays the blocks out in the data axes' order.
+  Padding sliced off; no derivative rule.
+  """
+  from zerojax._src import comm
+
+  data = layout_lib.axes(group.axis_name)
+  before = data[: data.index(group.secondary_axes[0])]
+  after = cross_axes(data, group.secondary_axes)[len(before) :]
+  sizes = lambda names: [jax.lax.axis_size(name) for name in names]
+  result = []
+  for transfer, secondary in zip(group.transfers, kept, strict=True):
+    axis, shape = transfer.axis, list(secondary.shape)
+    block = shape[axis] // math.prod(sizes(before + after))
+    split = shape[:axis] + sizes(before) + sizes(after) + [block] + shape[axis + 1 :]
+    blocks = comm.as_bits(secondary) if secondary.dtype.itemsize < 4 else secondary
+    gathered = jax.lax.all_gather(
+      blocks.reshape(split), layout_lib.entry(group.secondary_axes), axis=axis + len(before)
+    )
+    full = gathered.reshape(*shape[:axis], -1, *shape[axis + 1 :])
+    if full.dtype != secondary.dtype:
+      full = comm.from_bits(full, secondary.dtype)
+    result.append(jax.lax.slice_in_dim(full, 0, transfer.size, axis=axis))
+  return result
+
+
+def gather(group: comm.Group, values: Sequence[jax.Array]) -> list[jax.Array]:
+  """Stage 3's opening of shards under hpZ: full weights, their secondary partitions named.
+
+  The secondary partitions are computed from the shards with no derivative
+  and named ``SECONDARY`` (saved by ``zerojax.remat_policy``); the full
+  weights are gathered from them, and the derivative rule of that step sends
+  the weights' cotangents to the shards themselves, reduce-scattered over all
+  the data axes (``group.reduce_scatter``), as without hpZ.
+  """
+  frozen = [jax.lax.stop_gradient(value) for value in values]
+  kept = tuple(checkpoint_name(s, SECONDARY) for s in secondaries(group, frozen))
+  return list(_gathered(group, kept, tuple(values)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gathered(group, kept, values):
+  del values  # only the derivative rule reads them (as where the gradient goes)
+  return tuple(fulls(group, kept))
+
+
+def _gathered_fwd(group, kept, values):
+  return _gathered(group, kept, values), None
+
+
+def _gathered_bwd(group, residuals, cotangents):
+  del residuals
+  return tuple(None for _ in cotangents), tuple(group.reduce_scatter(cotangents))
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
