@@ -20,11 +20,12 @@ import argparse
 import sys
 
 import flax.linen as nn
-import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import report
+import setups
 from flax import nnx
 
 import zerojax
@@ -157,8 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   """Prints the tables of temporaries."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.parse_args(sys.argv[1:] if argv is None else argv)
-  harness.use_cpu_devices(8)
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = setups.flat_mesh(setups.use_devices(8))
   rows = []
   for name, stack in STACKS.items():
     temp, model_bytes = temporaries(stack, mesh)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows.append({"stack": name, "temp": temp / 1e6, "layers": temp / layer})
   columns = {"stack": ("layer stack", "s"), "temp": ("temporaries MB", ".1f")}
   print(f"model {model_bytes / 1e6:.1f} MB, one layer {layer / 1e6:.2f} MB, per device:")
-  print(harness.table(rows, columns | {"layers": ("in layers", ".1f")}))
+  print(report.table(rows, columns | {"layers": ("in layers", ".1f")}))
   nnx_rows = [
     {
       "stack": f"`nnx_value_and_grad(..., gather={gather})`",
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for gather in (False, True)
   ]
   print("\nNNX, docs/flax.md's Deep(256, 8), per device:")
-  print(harness.table(nnx_rows, columns))
+  print(report.table(nnx_rows, columns))
   return rows + nnx_rows
 
 

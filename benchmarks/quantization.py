@@ -3,14 +3,14 @@
 Two parts, each written into its own generated section of
 ``docs/compression.md``:
 
-1. **Bytes.** One process, ``--devices`` forced CPU devices, the scanned
-   transformer of ``benchmarks/harness.py`` (as in ``compare.py``) trained with
-   ``zerojax.value_and_grad``, ``zerojax.gather`` per layer in the scan and
-   ``jax.checkpoint(policy=zerojax.remat_policy)``, so stage 3 gathers every
-   layer twice, forward and backward. For stages 1, 2 and 3 and each
+1. **Bytes.** One process, ``--devices`` devices (forced CPU devices on a machine
+   without accelerators), the scanned transformer of ``benchmarks/model.py`` (as
+   in ``compare.py``) trained with ``zerojax.value_and_grad``, ``zerojax.gather``
+   per layer in the scan and ``jax.checkpoint(policy=zerojax.remat_policy)``, so
+   stage 3 gathers every layer twice, forward and backward. For stages 1, 2 and 3 and each
    quantization option (none, int8 gradients, int8 weights in stage 3, int8
    both, int4 both) it reads the bytes per step of each collective kind from
-   the compiled HLO (``zerojax.count_collectives``), XLA's temporaries
+   the compiled HLO (``zerojax.diagnostics.count_collectives``), XLA's temporaries
    (``memory_analysis``) and the step time relative to the same stage
    unquantized (median of per-round ratios, interleaved rounds), checks the
    stage-3 targets (weight all-gathers, gradient reduction and the total each
@@ -20,12 +20,14 @@ Two parts, each written into its own generated section of
    flat explicit one: stage 3 on the drop-in path (GSPMD's collectives, which
    stay unquantized), and the bytes over each axis of a hybrid ``replica=2 x
    data=4`` mesh.
-2. **Convergence.** ``examples/train_lm.py``'s ``main`` (imported, as
-   ``tests/test_examples.py`` does) trains its GPT at stage 3 unquantized and
-   with ``--quantized-weights`` / ``--quantized-gradients`` int8, int8 and int4
-   (DeepSpeed's combination), int4, and int4 with blocks of 32, same seed, same
-   batches; the final validation losses are compared against the 2% bar, and
-   the curves plotted.
+2. **Convergence.** ``examples/train_lm.py`` (run as a command, one process
+   per run, its ``metrics.json`` read back) trains its GPT at stage 3
+   unquantized and with ``--quantized-weights`` / ``--quantized-gradients``
+   int8, int8 and int4 (DeepSpeed's combination), int4, and int4 with blocks
+   of 32, same seed, same batches; the final validation losses are compared
+   against the 2% bar, and the curves plotted. Each run's bytes per step are
+   those of part 1's model (train_lm's shape) with the same options, compiled
+   from abstract arrays, not run.
 
 Run (about 12 minutes on two busy cores; the five 600-step trainings take most
 of it)::
@@ -38,23 +40,25 @@ of it)::
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
 import inspect
 import itertools
+import json
 import math
 import pathlib
 import statistics
+import subprocess
 import sys
 import tempfile
 from typing import Any, NamedTuple
 
-import harness
 import jax
+import measure
+import model
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+import report
+import setups
+from jax.sharding import AxisType
 from matplotlib.figure import Figure
 
 import zerojax
@@ -90,50 +94,55 @@ def setup_name(stage: int, weights: str | None, gradients: str | None) -> str:
 # ---------------------------------------------------------------------------
 
 
-def compile_setup(model, mesh, batch, stage, weights, gradients, **tx_options) -> harness.Setup:
-  """The explicit step of ``stage``, quantized as given, from the harness's initial parameters."""
-  params = harness.init_params(model, jax.random.key(0))
+def quantized_setup(config, params, batch, stage, weights, gradients, **options) -> setups.Setup:
+  """The explicit step of ``stage``, quantized as given, named for its quantization."""
   quantized = dict(quantized_weights=weights, quantized_gradients=gradients)
-  setup = harness.zero_explicit(model, mesh, params, batch, stage=stage, **quantized, **tx_options)
+  setup = setups.zero_explicit(config, params, batch, stage=stage, **quantized, **options)
   setup.name = setup_name(stage, weights, gradients)
   return setup
 
 
-def measure_bytes(model, mesh, args, psi: int) -> list[dict[str, Any]]:
+def compile_setup(config, batch, stage, weights, gradients, **options) -> setups.Setup:
+  """``quantized_setup`` from the model's initial parameters, compiled."""
+  params = model.init_params(config, jax.random.key(0))
+  setup = quantized_setup(config, params, batch, stage, weights, gradients, **options)
+  setup.compile()
+  print(f"compiled {setup.name}", flush=True)
+  return setup
+
+
+def measure_bytes(config, mesh, args, psi: int) -> list[dict[str, Any]]:
   """Builds, times and measures every stage and option; one row each.
 
   Returns:
     Rows with the stage and options, MiB per collective kind, the volume in
-    Ψ (an all-reduce counted twice, as in ``harness.measure``), the weight
+    Ψ (an all-reduce counted twice, as in ``measure.results``), the weight
     all-gathers, the gradient reduction (reduce-scatter plus all-to-all) and
     the volume as ratios to the same stage unquantized, the volume over ZeRO's
     2Ψ or 3Ψ, XLA's temporaries, and the step time relative to the same stage
     unquantized (median and range of per-round ratios).
   """
-  batch = harness.make_batch(model, mesh)
-  configs = [(stage, *option) for stage in (1, 2, 3) for option in options(stage)]
-  setups = []
-  for config in configs:
-    setups.append(compile_setup(model, mesh, batch, *config))
-    print(f"compiled {setups[-1].name}", flush=True)
-  _, ratios = harness.time_interleaved(setups, args.warmup, args.rounds, args.steps_per_round)
+  batch = model.make_batch(config, mesh)
+  quantizations = [(stage, *option) for stage in (1, 2, 3) for option in options(stage)]
+  built = [compile_setup(config, batch, *quantization) for quantization in quantizations]
+  _, ratios = measure.time_interleaved(built, args.warmup, args.rounds, args.steps_per_round)
   rows, baseline = [], {}
-  for setup, (stage, weights, gradients) in zip(setups, configs, strict=True):
+  for setup, (stage, weights, gradients) in zip(built, quantizations, strict=True):
     profile = setup.profile()
-    moved = harness.moved_bytes(profile)
+    moved = measure.moved_bytes(profile)
     row = {
       "setup": setup.name,
       "stage": stage,
       "weights": weights or "-",
       "gradients": gradients or "-",
-      **{kind: moved[kind] / harness.MIB for kind in KINDS},
+      **{kind: moved[kind] / measure.MIB for kind in KINDS},
       "gradient bytes": moved["reduce-scatter"] + moved["all-to-all"],
-      "volume": harness.collective_volume(moved) / (4 * psi),
-      "zero volume": harness.ideal(setup.name, psi, mesh.size)[1],
-      "temp": profile.temp_bytes / harness.MIB,
+      "volume": measure.collective_volume(moved) / (4 * psi),
+      "zero volume": measure.ideal(setup.name, psi, mesh.size)[1],
+      "temp": profile.temp_bytes / measure.MIB,
     }
     base = baseline.setdefault(stage, (row, setup.name))[0]
-    relative = harness.relative_time(ratios, setup.name, baseline[stage][1])
+    relative = measure.relative_time(ratios, setup.name, baseline[stage][1])
     row |= {
       "weights vs fp32": row["all-gather"] / base["all-gather"],
       "gradients vs fp32": row["gradient bytes"] / base["gradient bytes"],
@@ -141,41 +150,38 @@ def measure_bytes(model, mesh, args, psi: int) -> list[dict[str, Any]]:
       "vs zero": row["volume"] / row["zero volume"],
       "temp vs unquantized": row["temp"] / base["temp"],
       "time": statistics.median(relative),
-      "range": harness.ratio_range(relative),
+      "range": measure.ratio_range(relative),
     }
     rows.append(row)
   return rows
 
 
-def measure_unquantized_paths(model, n: int, psi: int) -> list[dict[str, Any]]:
+def measure_unquantized_paths(config, n: int, psi: int) -> list[dict[str, Any]]:
   """Stage 3 unquantized and with int8 both, on the drop-in path and under hybrid sharding.
 
   The drop-in path (plain ``jax.value_and_grad``, GSPMD's collectives, not
   quantized) on the ``data`` mesh, and the explicit path with hybrid sharding
   on ``replica=2 x data=n/2``; rows with the Ψ moved over each axis.
   """
-  flat = jax.make_mesh((n,), (harness.AXIS,), axis_types=(AxisType.Auto,))
-  hybrid = jax.make_mesh((2, n // 2), ("replica", harness.AXIS), axis_types=(AxisType.Auto,) * 2)
-  hybrid_batch = harness.make_batch(model, hybrid, ("replica", harness.AXIS))
+  flat = jax.make_mesh((n,), (model.AXIS,), axis_types=(AxisType.Auto,))
+  hybrid = jax.make_mesh((2, n // 2), ("replica", model.AXIS), axis_types=(AxisType.Auto,) * 2)
+  hybrid_batch = model.make_batch(config, hybrid, ("replica", model.AXIS))
   rows = []
   for weights, gradients in ((None, None), ("int8", "int8")):
     name = setup_name(3, weights, gradients)
     quantized = dict(quantized_weights=weights, quantized_gradients=gradients)
-    params = harness.init_params(model, jax.random.key(0))
-    dropin = harness.zero_dropin(
-      model, flat, params, harness.make_batch(model, flat), stage=3, **quantized
-    )
-    explicit = compile_setup(
-      model, hybrid, hybrid_batch, 3, weights, gradients, replica_axis="replica"
-    )
+    params = model.init_params(config, jax.random.key(0))
+    flat_batch = model.make_batch(config, flat)
+    dropin = setups.zero_dropin(config, params, flat_batch, stage=3, **quantized)
+    explicit = compile_setup(config, hybrid_batch, 3, weights, gradients, replica_axis="replica")
     for path, setup, mesh in (("drop-in", dropin, flat), ("explicit", explicit, hybrid)):
-      moved = harness.volume_by_axis(setup.step, mesh, psi)
+      moved = measure.volume_by_axis(setup.compile(), mesh, psi)
       rows.append(
         {
           "setup": name,
           "path": path,
           "mesh": " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items()),
-          "data": moved[harness.AXIS],
+          "data": moved[model.AXIS],
           "replica": moved.get("replica", 0.0),
         }
       )
@@ -183,7 +189,7 @@ def measure_unquantized_paths(model, n: int, psi: int) -> list[dict[str, Any]]:
   return sorted(rows, key=lambda row: row["path"])
 
 
-def measure_error(model) -> list[dict[str, Any]]:
+def measure_error(config) -> list[dict[str, Any]]:
   """Each format's quantization error on the model's initial weights and first gradient.
 
   As zerojax moves them, on a mesh of one device: there a quantized collective
@@ -197,12 +203,10 @@ def measure_error(model) -> list[dict[str, Any]]:
   from the exact values (at most 1 if the bound holds), and the relative RMS
   error ``||quantized - x|| / ||x||``.
   """
-  mesh = jax.make_mesh(
-    (1,), (harness.AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:1]
-  )
-  batch = harness.make_batch(model, mesh)
-  params = harness.init_params(model, jax.random.key(0))
-  loss = harness.make_loss(model)
+  mesh = setups.flat_mesh(jax.devices()[:1])
+  batch = model.make_batch(config, mesh)
+  params = model.init_params(config, jax.random.key(0))
+  loss = model.make_loss(config)
   exact = {"weights": params, "gradient": jax.jit(jax.grad(loss))(params, *batch)}
   rows = []
   for name in FORMATS:
@@ -254,7 +258,7 @@ def quantized_gradient(loss, params, batch, mesh, name: str) -> Any:
 
 
 BYTES_COLUMNS = (
-  harness.columns(
+  report.columns(
     "setup",
     *KINDS,
     "volume",
@@ -265,16 +269,16 @@ BYTES_COLUMNS = (
       "vs zero": ("volume vs ZeRO's 2Ψ/3Ψ", ".3f"),
     },
   )
-  | harness.columns(
+  | report.columns(
     "temp",
     more={
       "temp vs unquantized": ("temp vs fp32", ".3f"),
       "time": ("step time vs fp32 (CPU)", ".2f"),
     },
   )
-  | harness.columns("range")
+  | report.columns("range")
 )
-PATHS_COLUMNS = harness.columns("setup", more={"path": ("path", "s"), "mesh": ("mesh", "s")}) | {
+PATHS_COLUMNS = report.columns("setup", more={"path": ("path", "s"), "mesh": ("mesh", "s")}) | {
   axis: (f"over {axis} (Ψ)", ".3f") for axis in ("data", "replica")
 }
 #: The error columns: for the weights and the gradient, each error measure.
@@ -317,11 +321,11 @@ def plot_bytes(rows: list[dict[str, Any]], path: str, psi: int) -> None:
   bottom = np.zeros(len(rows))
   for kind, colour in zip(KINDS, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=True):
     # An all-reduce counts twice its operand (a reduce-scatter plus an all-gather).
-    values = np.array([row[kind] * harness.MIB / (4 * psi) for row in rows])
+    values = np.array([row[kind] * measure.MIB / (4 * psi) for row in rows])
     values *= 2 if kind == "all-reduce" else 1
     ax.bar(names, values, bottom=bottom, label=kind, color=colour)
     bottom += values
-  harness.mark_zero_volumes(ax, len(rows) - 0.5)
+  report.mark_zero_volumes(ax, len(rows) - 0.5)
   ax.set(
     ylabel="collective bytes per step (Ψ)",
     title="Bytes per step by collective kind",
@@ -335,28 +339,28 @@ def plot_bytes(rows: list[dict[str, Any]], path: str, psi: int) -> None:
   figure.savefig(path, dpi=110, bbox_inches="tight")
 
 
-def bytes_section(model, args, argv, psi, clock, rows, paths, errors, plot) -> str:
+def bytes_section(config, args, argv, psi, clock, rows, paths, errors, plot) -> str:
   """The generated text of part 1: provenance, command, model, tables, plot and targets."""
-  timing = harness.describe_timing(args.warmup, args.rounds, args.steps_per_round)
+  timing = report.describe_timing(args.warmup, args.rounds, args.steps_per_round)
   return "\n".join(
     [
-      harness.provenance(args.devices, clock),
+      report.provenance(args.devices, clock),
       "",
-      *harness.command("quantization.py", argv),
+      *report.command("quantization.py", argv),
       "",
-      f"{harness.describe_model(model, psi)} {timing} Block size "
+      f"{report.describe_model(config, psi)} {timing} Block size "
       f"{DEFAULT_BLOCK_SIZE}. Ratios are to the same stage unquantized.",
       "",
-      *harness.section("Bytes, temporaries and time per step", harness.table(rows, BYTES_COLUMNS)),
+      *report.section("Bytes, temporaries and time per step", report.table(rows, BYTES_COLUMNS)),
       *([f"![bytes per step by collective kind]({plot})", ""] if plot else []),
-      *harness.section("Targets", *bytes_targets(rows)),
-      *harness.section(
+      *report.section("Targets", *bytes_targets(rows)),
+      *report.section(
         "The drop-in path (unquantized), and hybrid sharding's two axes",
-        harness.table(paths, PATHS_COLUMNS),
+        report.table(paths, PATHS_COLUMNS),
       ),
-      *harness.section(
+      *report.section(
         "Quantization error on the model's initial weights and first gradient",
-        harness.table(errors, ERROR_COLUMNS),
+        report.table(errors, ERROR_COLUMNS),
       ),
     ]
   )
@@ -365,18 +369,6 @@ def bytes_section(model, args, argv, psi, clock, rows, paths, errors, plot) -> s
 # ---------------------------------------------------------------------------
 # Part 2: convergence of examples/train_lm.py.
 # ---------------------------------------------------------------------------
-
-
-def import_examples() -> tuple[Any, Any, Any, Any]:
-  """``examples/train_lm.py`` and its ``lm`` package's configs, model and stages.
-
-  Imported from the repository root, as tests/test_examples.py does.
-  """
-  root = str(pathlib.Path(__file__).resolve().parents[1])
-  if root not in sys.path:
-    sys.path.append(root)
-  modules = ("train_lm", "lm.configs", "lm.model", "lm.stages")
-  return tuple(importlib.import_module(f"examples.{name}") for name in modules)
 
 
 class Run(NamedTuple):
@@ -420,54 +412,47 @@ def parse_run(text: str) -> Run:
   return Run(weights, gradients, int(block) if at else DEFAULT_BLOCK_SIZE)
 
 
-def lm_step_volume(run: Run, devices: int) -> tuple[float, int]:
-  """Collective bytes per step of ``train_lm``'s stage-3 step (small model), in Ψ, and Ψ.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-  The step is built as ``train_lm.main`` builds it (``stages.make_setup`` on
-  an explicit ``data`` mesh), compiled on a batch of zeros and read with
-  ``zerojax.profile``; an all-reduce counts twice its operand.
+
+def train_lm(flags: list[str], out: pathlib.Path) -> dict[str, Any]:
+  """Runs ``examples/train_lm.py`` with ``flags`` in a process of its own; its ``metrics.json``."""
+  command = [sys.executable, str(ROOT / "examples" / "train_lm.py"), *flags, "--out", str(out)]
+  subprocess.run(command, check=True)
+  return json.loads((out / "metrics.json").read_text())
+
+
+def step_volume(config: model.ModelConfig, mesh, run: Run, psi: int) -> float:
+  """Collective bytes per step, in Ψ, of the model's stage-3 step quantized as ``run``.
+
+  Compiled from abstract arrays (nothing runs) and read with ``zerojax.diagnostics.profile``;
+  an all-reduce counts twice its operand.
   """
-  _, configs, lm_model, stages = import_examples()
-  preset = configs.PRESETS["small"]
-  mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Explicit,))
-  model = lm_model.make_model(preset, preset.seq_len)
-  loss = functools.partial(lm_model.loss_fn, model=model)
-  optimizer = stages.make_optimizer(preset.lr, preset.steps)
-  full = lm_model.init_params(model, 0)
-  with jax.set_mesh(mesh):
-    setup = stages.make_setup(
-      3,
-      mesh,
-      optimizer,
-      loss,
-      quantized_weights=run.weights,
-      quantized_gradients=run.gradients,
-      quantization_block_size=run.block_size,
-    )
-    tokens = np.zeros((preset.batch_size, preset.seq_len), np.int32)
-    x = jax.device_put(tokens, NamedSharding(mesh, P("data")))
-    initial = stages.place_on_model_axis(full, mesh)
-    profile = zerojax.profile(setup.step, setup.place(initial), setup.init(initial), x, x)
-  psi = harness.parameter_count(full)
-  return harness.collective_volume(harness.moved_bytes(profile)) / (4 * psi), psi
+  params, batch = model.abstract_params(config), model.abstract_batch(config, mesh)
+  setup = quantized_setup(
+    config, params, batch, 3, run.weights, run.gradients, quantization_block_size=run.block_size
+  )
+  return measure.collective_volume(measure.moved_bytes(setup.profile())) / (4 * psi)
 
 
-def run_convergence(args, out: pathlib.Path) -> list[dict[str, Any]]:
-  """Trains ``train_lm`` at stage 3 unquantized and with each of ``--runs``; one row each."""
-  train_lm = import_examples()[0]
+def run_convergence(args, config, mesh, out: pathlib.Path) -> list[dict[str, Any]]:
+  """Trains ``train_lm`` at stage 3 unquantized and with each of ``--runs``; one row each.
+
+  Each row's bytes per step are those of ``config``'s model on ``mesh`` with the run's options.
+  """
+  psi = model.model_parameter_count(config)
   rows = []
   for run in (Run(None, None), *args.runs):
     name = run.name
-    flags = ["--stage", "3", "--seed", "0", "--no-report", "--out", str(out / name)]
+    flags = ["--stage", "3", "--seed", "0", "--no-report", "--devices", str(args.devices)]
     flags += ["--steps", str(args.steps)] if args.steps else []
-    metrics = train_lm.main([*flags, *run.flags()])
-    volume, psi = lm_step_volume(run, args.devices)
+    metrics = train_lm([*flags, *run.flags()], out / name)
     rows.append(
       {
         "run": name,
         "flags": " ".join(run.flags()) or "(none)",
-        "volume": volume,
-        "psi": psi,
+        "volume": step_volume(config, mesh, run, psi),
+        "psi": metrics["config"]["n_params"],
         "steps": metrics["config"]["steps"],
         "train": metrics["train_loss"],
         "val": metrics["val_loss"],
@@ -534,17 +519,18 @@ def convergence_section(args, argv, clock, rows, plot) -> str:
   base = rows[0]
   return "\n".join(
     [
-      harness.provenance(args.devices, clock),
+      report.provenance(args.devices, clock),
       "",
-      *harness.command("quantization.py", argv),
+      *report.command("quantization.py", argv),
       "",
       f"`examples/train_lm.py --stage 3` (small model, Ψ = {base['psi']:,} parameters, seed 0, "
       f"{base['steps']} steps, validation every 100 steps) with the flags shown; the unigram "
-      f"baseline is {base['unigram']:.3f} nats/byte. Bytes per step are read from each run's "
-      "compiled step. No times: the runs were not interleaved, so on a shared machine their "
-      "step times are not comparable (the interleaved ratios are in the bytes table).",
+      f"baseline is {base['unigram']:.3f} nats/byte. Bytes per step are those of the bytes "
+      "table's model (train_lm's shape) with each run's options, read from its compiled "
+      "step. No times: the runs were not interleaved, so on a shared machine their step times "
+      "are not comparable (the interleaved ratios are in the bytes table).",
       "",
-      harness.table(rows, CONVERGENCE_COLUMNS),
+      report.table(rows, CONVERGENCE_COLUMNS),
       "",
       *([f"![validation and train loss, quantized and not]({plot})", ""] if plot else []),
     ]
@@ -559,8 +545,10 @@ def convergence_section(args, argv, clock, rows, plot) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
   """The command-line flags; the model defaults to train_lm's small shape, batch 16."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--devices", type=int, default=8, help="forced CPU devices")
-  harness.add_model_flags(parser)
+  parser.add_argument(
+    "--devices", type=int, default=8, help="devices (faked on a machine without accelerators)"
+  )
+  model.add_model_flags(parser)
   parser.set_defaults(d_model=128, vocab=256, batch=16)
   parser.add_argument(
     "--steps-per-round", type=int, default=2, help="timed steps per setup per round"
@@ -581,8 +569,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--skip-bytes", action="store_true", help="only the convergence runs")
   parser.add_argument("--skip-convergence", action="store_true", help="only the bytes")
   parser.add_argument("--out", type=pathlib.Path, help="keep the runs' train_lm outputs here")
-  harness.add_run_flags(parser, steps=False)
-  parser.add_argument("--plots", metavar="DIR", help="save the PNG plots into this directory")
+  measure.add_timing_flags(parser, steps=False)
+  report.add_output_flags(parser, plots=True)
   return parser.parse_args(argv)
 
 
@@ -590,35 +578,34 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
   """Runs the parts not skipped, prints them, and optionally writes them into ``--markdown``."""
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
-  harness.use_cpu_devices(args.devices)
+  mesh = setups.flat_mesh(setups.use_devices(args.devices))
+  config = model.model_config(args)
+  psi = model.model_parameter_count(config)
   results = {}
   if not args.skip_bytes:
-    clock = harness.Clock()
-    model = harness.model_config(args)
-    mesh = jax.make_mesh((args.devices,), (harness.AXIS,), axis_types=(AxisType.Auto,))
-    psi = harness.model_parameter_count(model)
-    rows = measure_bytes(model, mesh, args, psi)
-    paths = measure_unquantized_paths(model, args.devices, psi)
-    errors = measure_error(model)
-    path, relative = harness.plot_path(args.plots, args.markdown, "compression_bytes.png")
+    clock = report.Clock()
+    rows = measure_bytes(config, mesh, args, psi)
+    paths = measure_unquantized_paths(config, args.devices, psi)
+    errors = measure_error(config)
+    path, relative = report.plot_path(args.plots, args.markdown, "compression_bytes.png")
     if path:
       plot_bytes(rows, path, psi)
-    section = bytes_section(model, args, argv, psi, clock, rows, paths, errors, relative)
+    section = bytes_section(config, args, argv, psi, clock, rows, paths, errors, relative)
     print(section)
     if args.markdown:
-      harness.write_markdown(args.markdown, section, BYTES_BEGIN, "Compression")
+      report.write_markdown(args.markdown, section, BYTES_BEGIN, "Compression")
     results |= {"bytes": rows, "paths": paths, "error": errors}
   if not args.skip_convergence:
-    clock = harness.Clock()
+    clock = report.Clock()
     with tempfile.TemporaryDirectory() as scratch:
-      rows = run_convergence(args, args.out or pathlib.Path(scratch))
-    path, relative = harness.plot_path(args.plots, args.markdown, "compression_loss.png")
+      rows = run_convergence(args, config, mesh, args.out or pathlib.Path(scratch))
+    path, relative = report.plot_path(args.plots, args.markdown, "compression_loss.png")
     if path:
       plot_convergence(rows, path)
     section = convergence_section(args, argv, clock, rows, relative)
     print(section)
     if args.markdown:
-      harness.write_markdown(args.markdown, section, CONVERGENCE_BEGIN, "Compression")
+      report.write_markdown(args.markdown, section, CONVERGENCE_BEGIN, "Compression")
     results["convergence"] = rows
   return results
 

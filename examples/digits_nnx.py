@@ -7,7 +7,7 @@ transformation, and the gradients come from ``zerojax.flax.nnx_value_and_grad``,
 which runs the loss once per device on its slice of each batch. In stage 3 the
 model holds 1/N of each parameter and gathers the whole model inside the loss.
 
-On CPU the script asks JAX for 8 devices (``zerojax.use_cpu_devices``), so the
+On CPU the script asks JAX for 8 devices (``zerojax.distributed.use_cpu_devices``), so the
 sharding is real. Usage::
 
   python examples/digits_nnx.py              # ZeRO-3
@@ -85,7 +85,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the script with the flags in ``argv`` (default: the command line); returns the metrics."""
   args = parse_args(argv)
-  zerojax.use_cpu_devices(8)  # first, before anything touches a device
+  zerojax.distributed.use_cpu_devices(8)  # first, before anything touches a device
   images, labels = load_digits(return_X_y=True)
   x_train, x_test, y_train, y_test = train_test_split(
     (images / 16.0).astype(np.float32), labels, test_size=0.2, random_state=0, stratify=labels

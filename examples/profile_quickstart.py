@@ -9,7 +9,7 @@ import optax
 
 import zerojax
 
-zerojax.use_cpu_devices(8)
+zerojax.distributed.use_cpu_devices(8)
 mesh = jax.make_mesh((8,), ("data",))
 tx = zerojax.zero3(optax.adamw(3e-4), mesh=mesh)
 params = tx.shard({"w": jnp.zeros((512, 512)), "layers": jnp.zeros((4, 512, 512))})
@@ -35,4 +35,4 @@ def train_step(params, opt_state, x, y):
 
 
 x = y = jnp.ones((64, 512))
-print(zerojax.profile(train_step, params, opt_state, x, y))
+print(zerojax.diagnostics.profile(train_step, params, opt_state, x, y))

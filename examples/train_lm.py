@@ -17,7 +17,7 @@ the file is continued, so it records every attempt of a restarted run, re-done
 steps included).
 
 On CPU the script asks JAX for ``--devices`` CPU devices (8 by default,
-``zerojax.use_cpu_devices``), so the sharding is real. Usage::
+``zerojax.distributed.use_cpu_devices``), so the sharding is real. Usage::
 
   python examples/train_lm.py                                 # small model, ZeRO-3
   python examples/train_lm.py --stage 0                       # replicated baseline
@@ -47,14 +47,14 @@ uninterrupted run would.
 
 Preemption: on SIGTERM (a preempted VM, SLURM's ``--signal``, the launcher
 being stopped) every process finishes its step, all stop after the same step
-(``zerojax.preemption_requested``), save it (with ``--checkpoint-dir``) and exit
-with status ``zerojax.PREEMPTED_EXIT_CODE`` (75), which ``python -m
+(``zerojax.distributed.preemption_requested``), save it (with ``--checkpoint-dir``) and exit
+with status ``zerojax.distributed.PREEMPTED_EXIT_CODE`` (75), which ``python -m
 zerojax.launch`` answers with a restart. Under ``--resume`` the restarted run
 continues from exactly that step.
 
 Elastic batches: with ``--per-device-batch P`` the micro-batches are whatever
 reaches ``--batch-size`` with at most P sequences per device
-(``zerojax.elastic_microbatches``), so a run resumed on fewer devices (a host
+(``zerojax.distributed.elastic_microbatches``), so a run resumed on fewer devices (a host
 lost for good, ``python -m zerojax.launch --min-processes``) keeps its global
 batch, and a device count that cannot reach it is refused with those that can.
 Batches depend on the seed, the step and the sample's index only, never on the
@@ -66,7 +66,7 @@ launcher's pipes) a plain line every ``--log-every`` steps or minute.
 Multi-process (one process per host or GPU): ``--coordinator``,
 ``--num-processes`` and ``--process-id`` (or the variables ``python -m
 zerojax.launch`` sets, or ``--detect-cluster`` under SLURM, Open MPI or a
-Cloud TPU pod slice) join the processes with ``zerojax.initialize``; each
+Cloud TPU pod slice) join the processes with ``zerojax.distributed.initialize``; each
 process then loads only its rows of every batch. Process 0 alone prints and
 writes files.
 
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser = build_parser()
   args = parser.parse_args(argv)
   # First, before anything touches a device; False (and nothing done) for one process.
-  multi_process = zerojax.initialize(
+  multi_process = zerojax.distributed.initialize(
     args.coordinator, args.num_processes, args.process_id, detect_cluster=args.detect_cluster
   )
   try:
@@ -151,7 +151,7 @@ def microbatches(args: argparse.Namespace, batch_size: int, devices: int) -> int
 
   Raises:
     ValueError: if both flags are given, or no whole number of micro-batches
-      reaches the batch (``zerojax.elastic_microbatches`` says which device
+      reaches the batch (``zerojax.distributed.elastic_microbatches`` says which device
       counts do).
   """
   if args.per_device_batch is None:
@@ -163,7 +163,9 @@ def microbatches(args: argparse.Namespace, batch_size: int, devices: int) -> int
     )
   batch_devices = configs.batch_devices(args.mesh or {"data": devices})
   try:
-    return zerojax.elastic_microbatches(batch_size, batch_devices, args.per_device_batch)
+    return zerojax.distributed.elastic_microbatches(
+      batch_size, batch_devices, args.per_device_batch
+    )
   except ValueError as error:
     raise ValueError(f"--batch-size {batch_size} on {batch_devices} devices: {error}") from None
 
@@ -178,7 +180,7 @@ def claim_devices(count: int, multi_process: bool) -> list[jax.Device]:
     # If JAX started before this script (a test, a notebook), it keeps its devices: the mesh
     # takes the first ``count`` of them.
     with contextlib.suppress(ValueError):
-      zerojax.use_cpu_devices(count)
+      zerojax.distributed.use_cpu_devices(count)
   if jax.device_count() < count:
     raise ValueError(
       f"--devices {count}, but JAX has {jax.device_count()} devices: pass --devices "
@@ -209,8 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     "--per-device-batch",
     type=at_least(1),
     help="the most sequences a device takes at once; the micro-batches are then whatever "
-    "reaches --batch-size on the devices there are (zerojax.elastic_microbatches), so a run "
-    "restarted on fewer devices (python -m zerojax.launch --min-processes) keeps its batch",
+    "reaches --batch-size on the devices there are (zerojax.distributed.elastic_microbatches), "
+    "so a run restarted on fewer devices (python -m zerojax.launch --min-processes) keeps its "
+    "batch",
   )
   parser.add_argument(
     "--prefetch",
@@ -219,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     default=1,
     help="layers zerojax.scan gathers ahead of the compute: 1 overlaps the gathers with the "
     "compute on GPUs and TPUs; 0 serialises them, cheaper on CPU, where collectives are "
-    "synchronous (same numbers)",
+    "synchronous (the same numbers to rounding: docs/performance.md)",
   )
   add_parallelism_flags(parser)
   add_precision_flags(parser)

@@ -5,7 +5,7 @@ Run by tests/test_accelerators.py in a process of its own, started with
 when they load): ``python tests/accelerator_worker.py TARGET OUT.json [SETUP ...]``. For
 each setup (plain data parallelism, GSPMD FSDP, zero1, zero2, zero3 on its
 paths) it writes the compiled step's per-device arguments and temporaries,
-its layer loops (``zerojax.loop_collectives``) and, on GPU, XLA's estimate of
+its layer loops (``zerojax.diagnostics.loop_collectives``) and, on GPU, XLA's estimate of
 the step from its scheduler's log.
 
 ``--mutation NAME`` swaps a part of zerojax for a broken one first (see
@@ -135,9 +135,9 @@ def measure(target, build):
   report = {
     "arguments": memory.argument_size_in_bytes,
     "temporaries": memory.temp_size_in_bytes,
-    "loops": [dataclasses.asdict(loop) for loop in zerojax.loop_collectives(compiled)],
+    "loops": [dataclasses.asdict(loop) for loop in zerojax.diagnostics.loop_collectives(compiled)],
   }
-  if deviceless.target(target).platform == "cuda":
+  if deviceless.find_target(target).platform == "cuda":
     estimate = schedule.scheduler_estimate(log[0], compiled)
     report["cycles"] = estimate.cycles
     report["loop_waiting"] = [loop.waiting for loop in estimate.loops]

@@ -34,7 +34,7 @@ import optax
 import zerojax
 from zerojax import CheckpointManager, train_state_spec
 
-zerojax.use_cpu_devices(8)
+zerojax.distributed.use_cpu_devices(8)
 
 # About 6 MiB of state with Adam, so that a save takes long enough to be caught.
 MODEL = {

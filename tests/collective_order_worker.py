@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 from zerojax._src import ordering
 
-zerojax.use_cpu_devices(8)
+zerojax.distributed.use_cpu_devices(8)
 
 
 def make_params() -> dict:

@@ -33,6 +33,13 @@ def make_batch(seed: int = 1):
   return x, y
 
 
+def poisoned_batch(device: int = 3, devices: int = 8):
+  """``make_batch()`` with an inf in the rows of one of ``devices`` devices only."""
+  x, y = make_batch()
+  rows = BATCH // devices
+  return x.at[device * rows, 0].set(jnp.inf), y
+
+
 def loss_fn(params, x, y):
   """Mean squared error of a scanned MLP. ``zerojax.gather`` is a no-op on full arrays."""
   top = zerojax.gather({k: v for k, v in params.items() if k != "layers"})

@@ -33,8 +33,8 @@ from jax.experimental import multihost_utils
 
 import zerojax
 from tests import models
+from tests.helpers import STAGES
 
-STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
 STEPS = 3
 
 
@@ -82,7 +82,7 @@ def restore_from(mesh, directory: Path):
 
 def train(out: Path, restore: Path | None = None) -> None:
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  batch = zerojax.global_batch(local_rows(models.make_batch()), mesh)
+  batch = zerojax.distributed.global_batch(local_rows(models.make_batch()), mesh)
   arrays = flat("batch", multihost_utils.process_allgather(batch, tiled=True))
   report = {"process_count": jax.process_count(), "stages": {}}
   for stage in STAGES:
@@ -91,14 +91,14 @@ def train(out: Path, restore: Path | None = None) -> None:
     for _ in range(STEPS):
       params, state, loss = step(params, state, *batch)
       losses.append(float(loss))
-    to_zero = zerojax.gather_to_host(tx, params, process=0)
+    to_zero = zerojax.distributed.gather_to_host(tx, params, process=0)
     # A tiny piece size, so that stacked and big leaves go a block of rows at a time.
-    to_all = zerojax.gather_to_host(tx, params, process=None, max_piece_bytes=256)
+    to_all = zerojax.distributed.gather_to_host(tx, params, process=None, max_piece_bytes=256)
     gathered = jax.tree.map(np.asarray, tx.gather(params))
     arrays.update(flat(f"{stage}/tx.gather", gathered) | flat(f"{stage}/to_all", to_all))
     if to_zero is not None:
       arrays.update(flat(f"{stage}/to_zero", to_zero))
-    profile = zerojax.profile(step, params, state, *batch)
+    profile = zerojax.diagnostics.profile(step, params, state, *batch)
     report["stages"][stage] = {
       "losses": losses,
       "received_to_zero": to_zero is not None,
@@ -109,7 +109,7 @@ def train(out: Path, restore: Path | None = None) -> None:
     for _ in range(STEPS):
       drop_in, drop_in_state, loss = drop_in_step(drop_in, drop_in_state, *batch)
       report["stages"][stage].setdefault("drop_in_losses", []).append(float(loss))
-    arrays.update(flat(f"drop-in/{stage}/to_all", zerojax.gather_to_host(tx, drop_in)))
+    arrays.update(flat(f"drop-in/{stage}/to_all", zerojax.distributed.gather_to_host(tx, drop_in)))
   arrays.update(save(mesh, {"params": params, "opt_state": state}, out))
   if restore is not None:
     arrays.update(restore_from(mesh, restore))
@@ -125,7 +125,9 @@ def train_hybrid(report) -> dict:
   if jax.process_count() == 2:
     owners = [{d.process_index for d in row} for row in mesh.devices]
     assert owners == [{0}, {1}], f"each replica should be one process, got {owners}"
-  batch = zerojax.global_batch(local_rows(models.make_batch()), mesh, axis_name=("replica", "data"))
+  batch = zerojax.distributed.global_batch(
+    local_rows(models.make_batch()), mesh, axis_name=("replica", "data")
+  )
   arrays = {}
   quantized = dict(quantized_weights="int8", quantized_gradients="int8")
   # Stage 3 once more with ZeRO++'s quantized gathers and reductions: the
@@ -140,7 +142,9 @@ def train_hybrid(report) -> dict:
     for _ in range(STEPS):
       params, state, loss = step(params, state, *batch)
       report["stages"][stage].setdefault(f"{name}_losses", []).append(float(loss))
-    arrays.update(flat(f"{name}/{stage}/to_all", zerojax.gather_to_host(tx, params, process=None)))
+    arrays.update(
+      flat(f"{name}/{stage}/to_all", zerojax.distributed.gather_to_host(tx, params, process=None))
+    )
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.inner_state)}
     report["stages"][stage][f"{name}_state_in"] = sorted(kinds)
   return arrays
@@ -155,7 +159,7 @@ def batch_errors(mesh):
     cases["mismatch"] = np.zeros((rows * (1 + jax.process_index()), 3), np.float32)
   for name, local in cases.items():
     try:
-      zerojax.global_batch(local, mesh)
+      zerojax.distributed.global_batch(local, mesh)
     except ValueError as error:
       errors[name] = str(error)
   return errors
@@ -166,7 +170,7 @@ def steps(mode: str) -> None:
   if mode == "preempt" and os.environ.get("ZEROJAX_ATTEMPT") != "1":
     return
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  batch = zerojax.global_batch(local_rows(models.make_batch()), mesh)
+  batch = zerojax.distributed.global_batch(local_rows(models.make_batch()), mesh)
   _, params, state, step = start(3, mesh)
   faulty = jax.process_index() == 1
   for count in range(10**6):
@@ -179,9 +183,9 @@ def steps(mode: str) -> None:
     if mode == "preempt":
       if count == 3 and faulty:
         os.kill(os.getpid(), signal.SIGTERM)
-      if zerojax.preemption_requested(count):
+      if zerojax.distributed.preemption_requested(count):
         print(f"stopped after step {count}", flush=True)
-        sys.exit(zerojax.PREEMPTED_EXIT_CODE)
+        sys.exit(zerojax.distributed.PREEMPTED_EXIT_CODE)
 
 
 def main(argv=None) -> None:
@@ -194,7 +198,7 @@ def main(argv=None) -> None:
     jax.config.update("jax_enable_preemption_service", False)
   # A long shutdown timeout: a crash must not wait for it (initialize skips the
   # exit barrier after an uncaught exception).
-  zerojax.initialize(heartbeat_timeout=20, collective_timeout=60, shutdown_timeout=120)
+  zerojax.distributed.initialize(heartbeat_timeout=20, collective_timeout=60, shutdown_timeout=120)
   train(args.out, args.restore) if args.mode == "train" else steps(args.mode)
 
 

@@ -1,5 +1,6 @@
 """Gradient accumulation over micro-batches inside a step, and across steps with MultiSteps."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 
 import zerojax
 from tests import models
-from tests.test_equivalence import STAGES, assert_same_params
+from tests.helpers import ROUNDING, STAGES
 
 N, MICROBATCHES = 8, 4
 
@@ -37,11 +38,11 @@ def test_micro_batches_equal_one_step_on_the_whole_batch(stage, mesh):
     params, state, loss, aux = step(params, state, x, y)
     losses.append(float(loss))
   expected = models.reference(inner, models.make_params(), (x, y), 3)
-  assert_same_params(tx.gather(params), expected)
+  chex.assert_trees_all_close(tx.gather(params), expected, **ROUNDING)
   assert losses[0] == pytest.approx(float(models.loss_fn(models.make_params(), x, y)), rel=1e-5)
   # One aux per call of the loss, in batch order: here the mean of one row each.
-  assert aux.shape == (N * MICROBATCHES,)
-  np.testing.assert_array_equal(np.asarray(aux), np.asarray(x[:, 0]))
+  chex.assert_shape(aux, (N * MICROBATCHES,))
+  chex.assert_trees_all_equal(np.asarray(aux), np.asarray(x[:, 0]))
 
 
 @pytest.mark.parametrize("stage", [2, 3])

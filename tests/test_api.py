@@ -1,5 +1,9 @@
-"""Meshes, placement, recompilation and donation (errors: test_bad_input.py)."""
+"""The public surface; meshes, placement, recompilation and donation (errors: test_bad_input.py)."""
 
+import inspect
+import tomllib
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +13,47 @@ from jax.sharding import AxisType
 
 import zerojax
 from tests import models
+from tests.environment import ROOT
+from tests.helpers import ROUNDING
+
+#: The names that moved out of the top level, and the namespace each lives in now.
+MOVED = {
+  **dict.fromkeys(zerojax.diagnostics.__all__, zerojax.diagnostics),
+  **dict.fromkeys(zerojax.distributed.__all__, zerojax.distributed),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_a_moved_name_still_works_from_the_top_level_with_a_warning(name):
+  namespace = MOVED[name].__name__
+  with pytest.warns(DeprecationWarning, match=rf"zerojax\.{name} moved to {namespace}\.{name}"):
+    found = getattr(zerojax, name)
+  assert found is getattr(MOVED[name], name)
+  assert name not in zerojax.__all__
+
+
+def test_an_unknown_top_level_name_is_an_attribute_error():
+  with pytest.raises(AttributeError, match="module 'zerojax' has no attribute 'zero4'"):
+    zerojax.zero4  # noqa: B018
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_is_a_plain_function_with_its_signature(stage):
+  factory = getattr(zerojax, f"zero{stage}")
+  signature = inspect.signature(factory)
+  assert factory.__name__ == f"zero{stage}" and inspect.isfunction(factory)
+  assert signature.return_annotation == "ZeroTransformation"
+  assert signature.parameters["precision"].kind is inspect.Parameter.KEYWORD_ONLY
+  assert signature == inspect.signature(zerojax.zero3)
+
+
+def test_console_scripts_are_public_and_the_version_is_written_once():
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  for target in project["project"]["scripts"].values():
+    module, _, function = target.partition(":")
+    assert "._" not in module and callable(getattr(__import__(module, fromlist=["_"]), function))
+  assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+  assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "zerojax.__version__"}
 
 
 def make_mesh(n, types=AxisType.Auto, extra=None):
@@ -27,9 +72,7 @@ def test_meshes_match_plain_optax(stage, mesh_args):
   params, batch = models.make_params(), models.make_batch()
   expected = models.reference(optax.adam(1e-2), params, batch, 2)
   tx = getattr(zerojax, f"zero{stage}")(optax.adam(1e-2), mesh=mesh, min_shard_size=1)
-  actual = models.train(tx, params, batch, 2)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6)
+  chex.assert_trees_all_close(models.train(tx, params, batch, 2), expected, **ROUNDING)
 
 
 def test_mesh_from_set_mesh():
@@ -171,8 +214,7 @@ def test_drop_in_stage3_with_padded_leaves_on_explicit_axes():
   with jax.set_mesh(mesh):  # stored (padded) params placed again inside jit
     again = jax.jit(tx.shard)(placed)
   for actual in (tx.gather(placed), tx.gather(again)):
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(plain), strict=True):
-      np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6)
+    chex.assert_trees_all_close(actual, plain, **ROUNDING)
 
 
 def test_trees_of_another_structure_raise(mesh):

@@ -5,7 +5,6 @@ vote, the master copy's moves), bad directories, damage and crashes."""
 import functools
 import json
 import os
-import pathlib
 import shutil
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,14 +20,13 @@ import optax
 import pytest
 
 import zerojax
+from tests.helpers import CHECKPOINT_WORKER, STAGES, assert_placed, final_params, unpadded
 from zerojax import CheckpointManager, StateSpec, train_state_spec
 from zerojax._src import checkpoint_master as master_lib
 from zerojax._src import checkpoint_record as record_lib
 from zerojax._src import checkpoint_verdict as verdict_lib
 from zerojax._src.checkpoint_verdict import Verdict
 
-STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
-WORKER = pathlib.Path(__file__).with_name("checkpoint_worker.py")
 # jax.make_mesh's default (explicit sharding in types) and the compiler-decides kind.
 AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
 
@@ -118,42 +117,6 @@ def spec_for(tx, model=MODEL):
   return train_state_spec(tx, model, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
 
 
-def logical_values(state, spec):
-  """Every leaf of ``state`` on the host, padding sliced off; checks the padding is zeros."""
-  return unpadded(state, spec.logical)
-
-
-def unpadded(tree, logical):
-  """Every leaf on the host, cut to ``logical``'s shapes; checks what is cut off is zeros."""
-
-  def unpad(x, logical):
-    x = np.asarray(x)
-    inside = tuple(slice(0, n) for n in logical.shape)
-    padding = x.copy()
-    padding[inside] = 0
-    assert not padding.any(), "padding must stay zeros"
-    return x[inside]
-
-  return jax.tree.map(unpad, tree, logical)
-
-
-def assert_same(actual, expected):
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for path, a, e in zip(
-    *zip(*jax.tree_util.tree_flatten_with_path(actual)[0], strict=True),
-    jax.tree.leaves(expected),
-    strict=True,
-  ):
-    assert a.dtype == e.dtype and a.shape == e.shape, jax.tree_util.keystr(path)
-    np.testing.assert_array_equal(a, e, err_msg=jax.tree_util.keystr(path), strict=True)
-
-
-def assert_placed(state, spec):
-  for x, struct in zip(jax.tree.leaves(state), jax.tree.leaves(spec.stored), strict=True):
-    assert x.shape == struct.shape and x.dtype == struct.dtype
-    assert x.sharding.is_equivalent_to(struct.sharding, x.ndim)
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
@@ -166,12 +129,14 @@ def test_round_trip_is_bit_identical(tmp_path, axis_type, stage, precision):
     assert checkpoints.latest_step() == 2
     restored = checkpoints.restore()
   assert_placed(restored, spec)
-  assert_same(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, state))
+  chex.assert_trees_all_equal(
+    jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, state), strict=True
+  )
 
 
 def master_and_rest(state, spec, tx):
   """The master parameters, and the rest of the state without any copy of the parameters."""
-  values = logical_values(state, spec)
+  values = unpadded(state, spec.logical)
   master = tx.master_params(values["params"], values["opt_state"])
   rest = {**values, "params": None, "opt_state": values["opt_state"]._replace(master=None)}
   return master, rest
@@ -206,11 +171,15 @@ def test_restore_onto_other_device_counts_and_stages(tmp_path, axis_type, hops):
       state = checkpoints.restore()
     assert_placed(state, spec)
     master, rest = master_and_rest(state, spec, tx)
-    assert_same(master, expected_master)
-    assert_same(rest, expected_rest)
+    chex.assert_trees_all_equal(master, expected_master, strict=True)
+    chex.assert_trees_all_equal(rest, expected_rest, strict=True)
     # The params are the master copy as tx.shard places it (rounded to the compute dtype).
     rounded = tx.shard(jax.tree.map(jnp.asarray, expected_master))
-    assert_same(logical_values(state, spec)["params"], unpadded(rounded, spec.logical["params"]))
+    chex.assert_trees_all_equal(
+      unpadded(state["params"], spec.logical["params"]),
+      unpadded(rounded, spec.logical["params"]),
+      strict=True,
+    )
 
 
 def test_keeps_the_last_k_and_saves_every_interval(tmp_path):
@@ -414,13 +383,13 @@ def test_at_and_replaced_walk_dicts_named_tuples_lists_and_tuples():
 def test_rounded_params_are_the_master_copy_cut_and_cast(axis_type):
   spec = spec_for(make_tx(8, 2, "bf16", axis_type))
   master = random_state(spec)["opt_state"].master
-  assert master["w"].shape == (5, 1008)  # padded, split over the data axis
+  chex.assert_shape(master["w"], (5, 1008))  # padded, split over the data axis
   params = master_lib.rounded(master, spec.logical["params"], spec.stored["params"])
   assert_placed(params, StateSpec(spec.stored["params"], spec.logical["params"]))
   expected = jax.tree.map(
     lambda x: x.astype(jnp.bfloat16), unpadded(master, spec.logical["params"])
   )
-  assert_same(jax.tree.map(np.asarray, params), expected)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, params), expected, strict=True)
 
 
 # Directories that are not what they should be: a clear error or a warning, and no data lost.
@@ -527,7 +496,7 @@ def test_a_damaged_checkpoint_with_none_before_it_raises_and_stays(tmp_path):
 
 def run_worker(*args, **popen):
   return subprocess.Popen(
-    [sys.executable, str(WORKER), *map(str, args)],
+    [sys.executable, str(CHECKPOINT_WORKER), *map(str, args)],
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
@@ -589,7 +558,6 @@ def test_a_run_killed_mid_save_resumes_to_the_same_params(tmp_path):
   output, _ = run_worker("train", crashed, steps).communicate(timeout=120)
   assert f"start {complete[-1]}\n" in output and f"saving {steps}" in output, output
   assert not [name for name in os.listdir(crashed) if ".orbax-checkpoint-tmp" in name]
-  whole, resumed = np.load(tmp_path / "whole" / "final.npz"), np.load(crashed / "final.npz")
-  assert sorted(whole) == sorted(resumed) == ["big", "w"]
-  for name in whole:
-    np.testing.assert_array_equal(resumed[name], whole[name], strict=True)
+  whole, resumed = final_params(tmp_path / "whole"), final_params(crashed)
+  assert sorted(whole) == ["big", "w"]
+  chex.assert_trees_all_equal(resumed, whole, strict=True)

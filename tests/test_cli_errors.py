@@ -7,14 +7,13 @@ is computed or launched); one runs ``examples/train_lm.py`` as the script it is.
 import io
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from examples import train_lm
+from tests.environment import ROOT
 from zerojax import estimate, launch
 
-ROOT = Path(__file__).resolve().parent.parent
 MAINS = {"train_lm": train_lm.main, "launch": launch.main, "estimate": estimate.main}
 
 CASES = [

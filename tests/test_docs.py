@@ -10,12 +10,11 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import zerojax
 import zerojax.flax
+from tests.environment import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS / "ext"))
 
@@ -44,7 +43,8 @@ def test_readme_quickstart_runs_as_pasted_and_the_loss_falls(tmp_path):
 def test_public_names_cover_the_package_and_its_public_modules():
   names = coverage_check.public_names("zerojax")
   assert {f"zerojax.{name}" for name in zerojax.__all__} <= set(names)
-  assert {f"zerojax.flax.{name}" for name in zerojax.flax.__all__} <= set(names)
+  for module in (zerojax.diagnostics, zerojax.distributed, zerojax.flax):
+    assert {f"{module.__name__}.{name}" for name in module.__all__} <= set(names)
   assert {"zerojax.launch.launch", "zerojax.export.main", "zerojax.estimate.main"} <= set(names)
   assert not [name for name in names if "._" in name]
 

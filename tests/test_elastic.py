@@ -10,7 +10,6 @@ without it, on 1 process x 4 devices with twice the micro-batches, and finishes.
 
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -26,10 +25,10 @@ import pytest
 import zerojax
 from examples import train_lm
 from examples.lm import data as lm_data
-from tests import lm_reference
+from tests import environment, lm_reference
+from tests.environment import ROOT
 from zerojax import launch
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = "tests/lost_host_worker.py"
 # Where the docs show which device counts reach the main job's batch.
 DOCS = ROOT / "docs" / "fault_tolerance.md"
@@ -37,22 +36,22 @@ DOCS = ROOT / "docs" / "fault_tolerance.md"
 
 def test_micro_batches_keep_the_global_batch():
   for devices, per_device, expected in [(8, 4, 1), (4, 4, 2), (2, 4, 4), (1, 4, 8), (16, 4, 1)]:
-    microbatches = zerojax.elastic_microbatches(32, devices, per_device)
+    microbatches = zerojax.distributed.elastic_microbatches(32, devices, per_device)
     assert microbatches == expected, devices
     assert 32 // (devices * microbatches) <= per_device
   # The fewest micro-batches whose per-device share is whole and small enough: 6 = 3 x 2.
-  assert zerojax.elastic_microbatches(12, 2, max_per_device=4) == 2
-  assert zerojax.elastic_microbatches(12, 2, max_per_device=5) == 2
-  assert zerojax.elastic_microbatches(12, 2, max_per_device=6) == 1
+  assert zerojax.distributed.elastic_microbatches(12, 2, max_per_device=4) == 2
+  assert zerojax.distributed.elastic_microbatches(12, 2, max_per_device=5) == 2
+  assert zerojax.distributed.elastic_microbatches(12, 2, max_per_device=6) == 1
 
 
 def test_a_device_count_that_cannot_reach_the_batch_is_refused_with_those_that_can():
   with pytest.raises(ValueError, match=r"cannot be split evenly over 3 devices") as refused:
-    zerojax.elastic_microbatches(32, 3, 4)
+    zerojax.distributed.elastic_microbatches(32, 3, 4)
   assert "The device counts that reach it: 1, 2, 4, 8, 16, 32." in str(refused.value)
   for bad in [(0, 8, 4), (32, 0, 4), (32, 8, 0)]:
     with pytest.raises(ValueError, match="must be a whole number of at least 1"):
-      zerojax.elastic_microbatches(*bad)
+      zerojax.distributed.elastic_microbatches(*bad)
 
 
 def test_the_docs_table_of_device_counts_is_the_helpers():
@@ -61,13 +60,13 @@ def test_the_docs_table_of_device_counts_is_the_helpers():
   rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.split("\n")[2:-2]]
   documented = {int(devices): int(micro) for devices, micro, _ in rows if micro.isdigit()}
   refused = [int(devices) for devices, micro, _ in rows if not micro.isdigit()]
-  assert documented == zerojax.elastic_device_counts(32, max_per_device=4)
+  assert documented == zerojax.distributed.elastic_device_counts(32, max_per_device=4)
   for devices, micro, per_device in rows:
     if micro.isdigit():
       assert int(per_device) * int(devices) * int(micro) == 32, devices
   for devices in refused:
     with pytest.raises(ValueError):
-      zerojax.elastic_microbatches(32, devices, 4)
+      zerojax.distributed.elastic_microbatches(32, devices, 4)
 
 
 def config_and_mesh(devices: int):
@@ -182,7 +181,7 @@ def run_job(checkpoints: Path, out: Path, min_processes: int) -> tuple[int, str,
       *("--save-every", "5", "--resume", "--out", str(out)),
     ],
     cwd=ROOT,
-    env={**os.environ, "PYTHONPATH": str(ROOT)},
+    env=environment.subprocess_env(),
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,

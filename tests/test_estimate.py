@@ -170,7 +170,7 @@ def scanned_mlp_loss(params, x, regather=True):
 
 @functools.cache
 def measured_communication(stage, weights=None, gradients=None, replicas=1, regather=True):
-  """What a compiled step (gradients, update, apply) moves, by ``zerojax.count_collectives``."""
+  """What a compiled step (gradients, update, apply) moves, as ``count_collectives`` counts it."""
   shape, names = (
     ((replicas, 8 // replicas), ("replica", "data")) if replicas > 1 else ((8,), ("data",))
   )
@@ -200,8 +200,8 @@ def measured_communication(stage, weights=None, gradients=None, replicas=1, rega
   compiled = jax.jit(step).lower(params, tx.init(params), x).compile()
   # Split by the mesh axes each collective spans: whatever crosses replicas is
   # the replica sum (an all-reduce, or a quantized all-to-all and all-gather).
-  by_axes = zerojax.count_collectives_by_axes(compiled, mesh)
-  comm = {kind: 0 for kind in zerojax.count_collectives(compiled)}
+  by_axes = zerojax.diagnostics.count_collectives_by_axes(compiled, mesh)
+  comm = {kind: 0 for kind in zerojax.diagnostics.count_collectives(compiled)}
   across = 0
   for axes, kinds in by_axes.items():
     for kind, collective in kinds.items():
@@ -259,7 +259,9 @@ def test_profile_of_a_zero3_step(mesh):
   tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh, min_shard_size=1)
   params = tx.shard(models.make_params())
   state = tx.init(params)
-  report = zerojax.profile(models.explicit_step(tx), params, state, *models.make_batch())
+  report = zerojax.diagnostics.profile(
+    models.explicit_step(tx), params, state, *models.make_batch()
+  )
   assert report.collectives["all-gather"].count > 0
   assert report.collectives["reduce-scatter"].count > 0
   assert report.peak_bytes >= report.temp_bytes > 0

@@ -3,12 +3,13 @@
 import json
 import shutil
 
-import jax
+import chex
 import numpy as np
 import pytest
 
 import zerojax
 from examples import digits_nnx, train_lm
+from tests.helpers import ROUNDING
 
 # The tiny model, without the end-of-run report (the stage-0 compile and the sample), which
 # only the first test needs.
@@ -62,7 +63,7 @@ def test_train_lm_resumes_where_it_stopped(tmp_path):
   assert resumed["first_step"] == 4
   assert resumed["train_loss"] == straight["train_loss"][3:]
   final = [zerojax.load_params(tmp_path / name, step=6) for name in ("straight", "resumed")]
-  jax.tree.map(np.testing.assert_array_equal, *final)
+  chex.assert_trees_all_equal(*final, strict=True)
   # Resumed once more after the last step (a restart loop's extra round): nothing
   # trains, and the finished run's outputs stay as they were.
   written = (tmp_path / "metrics.json").read_text()
@@ -87,7 +88,8 @@ def test_train_lm_on_a_multi_axis_mesh_trains_like_a_flat_one(mesh, flat_tiny_ru
 
 
 def test_train_lm_offload_changes_no_loss_and_reports_host_bytes(flat_tiny_run, tmp_path, capsys):
-  # The flat run is stage 3 in fp32: --offload optimizer moves its Adam state to host memory.
+  # The flat run is stage 3 in fp32: --offload optimizer moves its Adam state to host memory,
+  # which changes no number beyond rounding (another program).
   metrics = train_lm.main([*TINY, "--steps", "4", "--offload", "optimizer", "--out", str(tmp_path)])
-  assert metrics["train_loss"] == flat_tiny_run["train_loss"]
+  chex.assert_trees_all_close(metrics["train_loss"], flat_tiny_run["train_loss"], **ROUNDING)
   assert "optimizer state in host memory" in capsys.readouterr().out

@@ -1,10 +1,10 @@
 """Export: a checkpoint's full-precision parameters, unpadded, streamed leaf by leaf."""
 
 import json
-import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import zerojax
+from tests import environment
 from zerojax import CheckpointManager, export_safetensors, load_params, train_state_spec
 from zerojax._src import export as export_lib
 from zerojax.export import main as export_main
@@ -58,11 +59,9 @@ def test_exports_the_full_precision_unpadded_params(tmp_path, mesh):
   # Stage 3 stores the padded float32 params themselves.
   tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
   params = save(tmp_path / "fp32", tx, full)
-  assert params["layer"]["w"].shape == (5, 1008)
+  chex.assert_shape(params["layer"]["w"], (5, 1008))
   loaded = load_params(tmp_path / "fp32")
-  jax.tree.map(
-    lambda a, b: np.testing.assert_array_equal(a, b, strict=True), loaded, tx.gather(params)
-  )
+  chex.assert_trees_all_equal(loaded, tx.gather(params), strict=True)
 
 
 # Run in a fresh process: how far the export's peak resident memory (VmHWM,
@@ -118,7 +117,7 @@ def test_export_holds_about_two_leaves_in_host_memory(tmp_path, mesh):
     capture_output=True,
     text=True,
     check=True,
-    env={**os.environ, "JAX_PLATFORMS": "cpu", "MALLOC_MMAP_THRESHOLD_": str(128 << 10)},
+    env=environment.subprocess_env(MALLOC_MMAP_THRESHOLD_=str(128 << 10)),
   )
   rises = json.loads(measured.stdout.splitlines()[-1])
   largest = np.prod(leaf) * 4  # float32 once exported
@@ -190,8 +189,7 @@ def test_lists_and_tuples_of_params_export_too(tmp_path, mesh):
   save(tmp_path / "checkpoints", tx, full)
   loaded = load_params(tmp_path / "checkpoints")
   expected = [list(layer) for layer in full]  # Orbax saves tuples as lists
-  assert jax.tree.structure(loaded) == jax.tree.structure(expected)
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, strict=True), loaded, expected)
+  chex.assert_trees_all_equal(loaded, expected, strict=True)
   export_safetensors(tmp_path / "checkpoints", tmp_path / "model.safetensors")
   written = read_safetensors(tmp_path / "model.safetensors")
   assert sorted(written) == ["0.0", "0.1", "1.0", "1.1"]

@@ -35,14 +35,16 @@ import threading
 import time
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
-import pytest
 
 import zerojax
 from examples import train_lm
+from tests import environment
+from tests.environment import ROOT
+from tests.helpers import final_params, run_checkpoint_worker
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 60
 FLAGS = [
   *("--model", "tiny", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32"),
@@ -50,8 +52,6 @@ FLAGS = [
 ]
 HEARTBEAT = 5  # --heartbeat-timeout, seconds
 GRACE = 3  # --grace-period, seconds
-WORKER = Path(__file__).with_name("checkpoint_worker.py")
-WORKER_STEPS = 6
 
 
 class Job:
@@ -63,7 +63,7 @@ class Job:
     self.process = subprocess.Popen(
       [sys.executable, "-m", "zerojax.launch", *args],
       cwd=ROOT,
-      env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+      env=environment.subprocess_env(**(env or {})),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
@@ -232,48 +232,14 @@ def test_the_main_job_survives_a_kill_a_preemption_a_hang_and_a_damaged_checkpoi
     assert line["loss"] == reference["train_loss"][line["step"] - 1], (line, about)
   final = zerojax.load_params(checkpoints, step=STEPS)
   expected = zerojax.load_params(tmp_path / "ref", step=STEPS)
-  jax.tree.map(lambda a, e: np.testing.assert_array_equal(a, e, strict=True), final, expected)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict:
-  """The final parameters of ``checkpoint_worker.py`` trained straight to ``WORKER_STEPS``."""
-  directory = tmp_path_factory.mktemp("uninterrupted")
-  subprocess.run(
-    [sys.executable, str(WORKER), "train", str(directory), str(WORKER_STEPS)],
-    check=True,
-    capture_output=True,
-    timeout=120,
-  )
-  return dict(np.load(directory / "final.npz"))
-
-
-def run_worker_job(directory: Path, fault: str, max_restarts: int) -> subprocess.CompletedProcess:
-  return subprocess.run(
-    [
-      *(sys.executable, "-m", "zerojax.launch", "-n", "1", "--max-restarts", str(max_restarts)),
-      *("--timeout", "200", str(WORKER), "train", str(directory), str(WORKER_STEPS)),
-    ],
-    cwd=ROOT,
-    env={**os.environ, "PYTHONPATH": str(ROOT), "CHECKPOINT_WORKER_FAULT": fault},
-    capture_output=True,
-    text=True,
-    timeout=240,
-  )
-
-
-def assert_final_params(directory: Path, expected: dict) -> None:
-  final = np.load(directory / "final.npz")
-  assert sorted(final) == sorted(expected)
-  for name in expected:
-    np.testing.assert_array_equal(final[name], expected[name], strict=True)
+  chex.assert_trees_all_equal(final, expected, strict=True)
 
 
 def test_a_crash_inside_the_first_save_then_on_every_attempt(tmp_path, uninterrupted):
   # Attempt 1 is killed while its first save is being written; attempt 2 starts
   # afresh, saves steps 1-3 and raises at step 4, as every attempt would: with
   # --max-restarts 1 the launcher gives up.
-  done = run_worker_job(tmp_path, "kill-in-first-save,raise-at-4", max_restarts=1)
+  done = run_checkpoint_worker(tmp_path, "kill-in-first-save,raise-at-4", max_restarts=1)
   assert done.returncode == 1
   first, second = done.stdout.split("[p0] start None")[1:]  # neither found a checkpoint
   assert "[p0] killed while writing ['1.orbax-checkpoint-tmp']" in first
@@ -286,9 +252,9 @@ def test_a_crash_inside_the_first_save_then_on_every_attempt(tmp_path, uninterru
   # The checkpoints are intact (the worker keeps 2, and the partial save is gone):
   # without the fault, the run continues from them to the uninterrupted result.
   assert sorted(os.listdir(tmp_path)) == ["2", "3"]
-  done = run_worker_job(tmp_path, "", max_restarts=0)
+  done = run_checkpoint_worker(tmp_path, "", max_restarts=0)
   assert done.returncode == 0 and "[p0] start 3" in done.stdout, done.stderr[-3000:]
-  assert_final_params(tmp_path, uninterrupted)
+  chex.assert_trees_all_equal(final_params(tmp_path), uninterrupted, strict=True)
 
 
 def test_a_late_sigterm_after_stopping_on_anothers_notice_does_not_end_the_save(monkeypatch):
@@ -307,9 +273,9 @@ def test_a_late_sigterm_after_stopping_on_anothers_notice_does_not_end_the_save(
   previous = lambda signum, frame: calls.append(signum)
   restore = signal.signal(signal.SIGTERM, previous)
   try:
-    assert not zerojax.preemption_requested(1)
+    assert not zerojax.distributed.preemption_requested(1)
     other[0] = 1
-    assert zerojax.preemption_requested(2)
+    assert zerojax.distributed.preemption_requested(2)
     assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm  # still caught
     os.kill(os.getpid(), signal.SIGTERM)  # this process's own notice, late
     time.sleep(0.05)

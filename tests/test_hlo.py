@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 import zerojax
-from zerojax import Collective
+from zerojax.diagnostics import Collective
 
 ADD = """
 %add (x: f32[], y: f32[]) -> f32[] {
@@ -34,7 +34,7 @@ def trip_count(n):
 
 
 def count(hlo, kind):
-  return zerojax.count_collectives(hlo)[kind]
+  return zerojax.diagnostics.count_collectives(hlo)[kind]
 
 
 @pytest.mark.parametrize("strip_percent", [False, True], ids=["compiled-style", "no-percent"])
@@ -104,9 +104,9 @@ def test_trip_count_from_the_condition_without_known_trip_count():
 def test_unknown_trip_count_is_an_error_only_if_the_loop_has_collectives():
   hlo = loop_with_condition("compare(%i, %n), direction=NE")
   with pytest.raises(ValueError, match="trip count of while loop w"):
-    zerojax.count_collectives(hlo)
+    zerojax.diagnostics.count_collectives(hlo)
   quiet = loop_with_condition("compare(%i, %n), direction=NE", body="no_collectives")
-  assert all(c == Collective() for c in zerojax.count_collectives(quiet).values())
+  assert all(c == Collective() for c in zerojax.diagnostics.count_collectives(quiet).values())
 
 
 def test_async_start_and_done_count_once():
@@ -131,7 +131,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 }
 """
   )
-  counts = zerojax.count_collectives(hlo)
+  counts = zerojax.diagnostics.count_collectives(hlo)
   assert counts["all-gather"] == Collective(count=1, bytes=256)
   assert counts["all-reduce"] == Collective(count=1, bytes=32)
   assert counts["reduce-scatter"] == Collective(count=1, bytes=256)
@@ -165,7 +165,7 @@ ENTRY %main (a: f32[8], b: f32[16], c: bf16[4]) -> f32[8] {
 }
 """
   )
-  counts = zerojax.count_collectives(hlo)
+  counts = zerojax.diagnostics.count_collectives(hlo)
   assert counts["all-reduce"] == Collective(count=1, bytes=32 + 64 + 8)
   assert counts["all-gather"] == Collective(count=1, bytes=4 * (64 + 128))
 
@@ -210,7 +210,7 @@ ENTRY %main (i: s32[], a: f32[8]) -> f32[8] {
 
 def test_text_without_an_entry_computation_is_an_error():
   with pytest.raises(ValueError, match="no ENTRY computation"):
-    zerojax.count_collectives(GATHER_BODY)
+    zerojax.diagnostics.count_collectives(GATHER_BODY)
 
 
 def test_a_compiled_shard_map_program(mesh):
@@ -243,9 +243,9 @@ def test_a_compiled_shard_map_program(mesh):
     "all-to-all": Collective(steps, steps * full),
     "collective-permute": Collective(steps, steps * row),
   }
-  assert zerojax.count_collectives(lowered.compile()) == expected
+  assert zerojax.diagnostics.count_collectives(lowered.compile()) == expected
   # The unoptimised module has no known_trip_count: the loop conditions give it.
-  assert zerojax.count_collectives(lowered.as_text(dialect="hlo")) == expected
+  assert zerojax.diagnostics.count_collectives(lowered.as_text(dialect="hlo")) == expected
 
 
 # count_collectives_by_axes
@@ -259,8 +259,8 @@ def grid(shape, names=("replica", "data"), order=None):
 
 def by_axes(hlo, mesh):
   """count_collectives_by_axes without zero entries, checked to add up to count_collectives."""
-  result = zerojax.count_collectives_by_axes(hlo, mesh)
-  expected = zerojax.count_collectives(hlo)
+  result = zerojax.diagnostics.count_collectives_by_axes(hlo, mesh)
+  expected = zerojax.diagnostics.count_collectives(hlo)
   summed = {kind: Collective() for kind in expected}
   for kinds in result.values():
     assert list(kinds) == list(expected)  # every kind, as count_collectives gives them
@@ -372,15 +372,15 @@ def test_device_group_formats(shape, attributes, axes):
 )
 def test_unreadable_device_groups_are_errors(attributes, opcode, message):
   with pytest.raises(ValueError, match=message):
-    zerojax.count_collectives_by_axes(one_collective(attributes, opcode), grid((2, 4)))
+    zerojax.diagnostics.count_collectives_by_axes(one_collective(attributes, opcode), grid((2, 4)))
 
 
 def test_wrong_mesh_is_an_error():
   hlo = "HloModule m, num_partitions=4\n" + one_collective(", replica_groups={}")
   with pytest.raises(ValueError, match="runs on 4 devices but the mesh has 8"):
-    zerojax.count_collectives_by_axes(hlo, grid((2, 4)))
+    zerojax.diagnostics.count_collectives_by_axes(hlo, grid((2, 4)))
   with pytest.raises(ValueError, match=r"must be a jax\.sharding\.Mesh"):
-    zerojax.count_collectives_by_axes(hlo, jax.sharding.AbstractMesh((4,), ("data",)))
+    zerojax.diagnostics.count_collectives_by_axes(hlo, jax.sharding.AbstractMesh((4,), ("data",)))
   # Compiled on devices 0-3, asked about a mesh of devices 4-7.
   devices = np.array(jax.devices())
   first, last = Mesh(devices[:4], ("data",)), Mesh(devices[4:], ("data",))
@@ -389,7 +389,7 @@ def test_wrong_mesh_is_an_error():
   )
   compiled = jax.jit(f).lower(jnp.ones(8)).compile()
   with pytest.raises(ValueError, match=r"devices \[0, 1, 2, 3\] that are not in the mesh"):
-    zerojax.count_collectives_by_axes(compiled, last)
+    zerojax.diagnostics.count_collectives_by_axes(compiled, last)
 
 
 def test_loops_async_and_combined_collectives_keep_their_accounting():

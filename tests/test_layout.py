@@ -1,5 +1,6 @@
 """The layout plan, over random shapes."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,7 +77,7 @@ def test_pad_unpad_round_trip(shape, n):
   leaf = plan_one(shape, n)
   x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
   padded = leaf.pad(jnp.asarray(x))
-  assert padded.shape == leaf.stored_shape
+  chex.assert_shape(padded, leaf.stored_shape)
   np.testing.assert_array_equal(leaf.unpad(padded), x)
   assert float(jnp.sum(padded)) == pytest.approx(float(x.sum()))
 
@@ -103,7 +104,7 @@ def test_sharded_dim_is_scan_stable(shape, n, layers):
 
   x = np.arange(layers * int(np.prod(shape)), dtype=np.float32).reshape(layers, *shape) + 1
   stored = padded(x)
-  assert stored.shape == stacked.stored_shape
+  chex.assert_shape(stored, stacked.stored_shape)
   shards = np.split(stored, n, axis=stacked.dim)  # what device j stores
   for i in range(layers):
     for j, layer_shard in enumerate(np.split(padded(x[i]), n, axis=stacked.dim)):
@@ -139,7 +140,7 @@ def test_scanned_gather_of_stacked_leaves_is_each_layer():
   loss, grads = jax.jit(zerojax.value_and_grad(loss_fn, tx))(tx.shard(params), x)
   expected = sum(float(jnp.sum(params[k] * weights[k])) for k in params)
   assert float(loss) == pytest.approx(expected, rel=1e-5)
-  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), tx.gather(grads), weights)
+  chex.assert_trees_all_close(tx.gather(grads), weights, rtol=1e-6)
 
 
 def test_small_and_integer_leaves_stay_replicated():

@@ -176,14 +176,14 @@ def test_parameter_heavy_stage_costs(stage, baseline, ratio):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gradients_are_reduce_scattered_never_all_reduced(stage):
-  comm = zerojax.count_collectives(compiled(stage)[0])
+  comm = zerojax.diagnostics.count_collectives(compiled(stage)[0])
   assert comm["reduce-scatter"].bytes == pytest.approx(MODEL_BYTES, rel=0.05)
   assert comm["all-reduce"].bytes < 0.01 * MODEL_BYTES
 
 
 @pytest.mark.parametrize("stage, gathers", [(1, 1), (2, 1), (3, 2)])
 def test_all_gather_volume(stage, gathers):
-  comm = zerojax.count_collectives(compiled(stage)[0])
+  comm = zerojax.diagnostics.count_collectives(compiled(stage)[0])
   assert comm["all-gather"].bytes == pytest.approx(gathers * MODEL_BYTES, rel=0.10)
 
 
@@ -197,7 +197,7 @@ def test_collectives_in_a_scan_count_once_per_iteration():
     return jax.lax.scan(body, jnp.zeros(()), xs)[0]
 
   g = jax.shard_map(f, mesh=mesh, in_specs=jax.P(None, "data"), out_specs=jax.P(), check_vma=False)
-  comm = zerojax.count_collectives(jax.jit(g).lower(jnp.ones((4, 64))).compile())
+  comm = zerojax.diagnostics.count_collectives(jax.jit(g).lower(jnp.ones((4, 64))).compile())
   assert comm["all-gather"].count == 4
   assert comm["all-gather"].bytes == 4 * 64 * 4
 
@@ -218,8 +218,8 @@ def test_mixed_precision_persistent_bytes_are_the_zero_formula(stage):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_stage3_gathers_in_the_compute_dtype(precision):
-  fp32 = zerojax.count_collectives(compiled(3)[0])
-  low = zerojax.count_collectives(compiled(3, precision)[0])
+  fp32 = zerojax.diagnostics.count_collectives(compiled(3)[0])
+  low = zerojax.diagnostics.count_collectives(compiled(3, precision)[0])
   assert low["all-gather"].bytes == pytest.approx(fp32["all-gather"].bytes / 2, rel=0.01)
   # Gradients are still reduce-scattered in fp32, the policy's reduce dtype.
   assert low["reduce-scatter"].bytes == pytest.approx(fp32["reduce-scatter"].bytes, rel=0.01)
@@ -239,8 +239,8 @@ def emitted(stage, precision=None, replicas=1, mesh=None):
   """
   text = lowered(stage, precision, replicas=replicas)[0].as_text(dialect="hlo")
   if mesh is None:
-    return zerojax.count_collectives(text)
-  return zerojax.count_collectives_by_axes(text, mesh)
+    return zerojax.diagnostics.count_collectives(text)
+  return zerojax.diagnostics.count_collectives_by_axes(text, mesh)
 
 
 @pytest.mark.parametrize("low", ["bf16", "fp16"])
@@ -268,9 +268,13 @@ def test_xla_cpu_runs_bf16_reductions_in_fp32():
   # reduce="bf16" moves fp32's bytes; fp16 is not promoted. XLA:GPU promotes
   # only 16-bit integer reductions. docs/precision.md says where the halving
   # holds; if this fails, XLA changed and the docs should say so.
-  fp32 = zerojax.count_collectives(compiled(3)[0])["reduce-scatter"].bytes
-  bf16 = zerojax.count_collectives(compiled(3, REDUCE_IN["bf16"])[0])["reduce-scatter"].bytes
-  fp16 = zerojax.count_collectives(compiled(3, REDUCE_IN["fp16"])[0])["reduce-scatter"].bytes
+  fp32 = zerojax.diagnostics.count_collectives(compiled(3)[0])["reduce-scatter"].bytes
+  bf16 = zerojax.diagnostics.count_collectives(compiled(3, REDUCE_IN["bf16"])[0])[
+    "reduce-scatter"
+  ].bytes
+  fp16 = zerojax.diagnostics.count_collectives(compiled(3, REDUCE_IN["fp16"])[0])[
+    "reduce-scatter"
+  ].bytes
   assert (bf16, fp16) == (fp32, pytest.approx(fp32 / 2, rel=0.01))
   assert emitted(3, REDUCE_IN["bf16"])["reduce-scatter"].bytes == pytest.approx(fp32 / 2, rel=0.01)
 
@@ -279,8 +283,8 @@ def test_xla_cpu_runs_bf16_reductions_in_fp32():
 def test_stages_1_and_2_all_gather_updated_params_in_the_compute_dtype(stage):
   # fp16 rather than bf16: XLA:CPU widens bf16 collectives that the compiler
   # places itself to fp32 (GPU and TPU run them in bf16).
-  fp32 = zerojax.count_collectives(compiled(stage)[0])
-  low = zerojax.count_collectives(compiled(stage, "fp16")[0])
+  fp32 = zerojax.diagnostics.count_collectives(compiled(stage)[0])
+  low = zerojax.diagnostics.count_collectives(compiled(stage, "fp16")[0])
   assert low["all-gather"].bytes == pytest.approx(fp32["all-gather"].bytes / 2, rel=0.01)
 
 
@@ -292,12 +296,12 @@ def test_accumulating_micro_batches_costs_a_shard_not_the_model(stage):
   one = compiled(stage)[0].memory_analysis().temp_size_in_bytes
   four = compiled(stage, None, 4)[0].memory_analysis().temp_size_in_bytes
   assert four - one <= 2 * MODEL_BYTES / N
-  comm = zerojax.count_collectives(compiled(stage, None, 4)[0])
+  comm = zerojax.diagnostics.count_collectives(compiled(stage, None, 4)[0])
   assert comm["reduce-scatter"].bytes == pytest.approx(4 * MODEL_BYTES, rel=0.05)
 
 
 def test_stage1_accumulates_locally_and_reduces_once():
-  comm = zerojax.count_collectives(compiled(1, None, 4)[0])
+  comm = zerojax.diagnostics.count_collectives(compiled(1, None, 4)[0])
   assert comm["reduce-scatter"].bytes == pytest.approx(MODEL_BYTES, rel=0.05)
 
 
@@ -313,8 +317,8 @@ def test_clipping_adds_only_scalar_all_reduces():
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  comm = zerojax.count_collectives(jax.jit(step).lower(params, state, x).compile())
-  unclipped = zerojax.count_collectives(compiled(3)[0])
+  comm = zerojax.diagnostics.count_collectives(jax.jit(step).lower(params, state, x).compile())
+  unclipped = zerojax.diagnostics.count_collectives(compiled(3)[0])
   assert comm["all-reduce"].bytes <= 64
   assert comm["reduce-scatter"].bytes == unclipped["reduce-scatter"].bytes
   assert comm["all-gather"].bytes == unclipped["all-gather"].bytes

@@ -1,9 +1,6 @@
 """Multi-axis meshes: hybrid sharding (replica x data) and tensor parallelism (data x model).
 
-The model is a Megatron-style scanned MLP stack: ``w1`` split over ``model`` on
-its output dimension (column-parallel), ``w2`` on its input dimension
-(row-parallel), a stacked bias on ``model`` (whose only non-leading dimension is
-taken, so the data axis joins it), a replicated head and an odd-shaped leaf.
+The model is ``tests/multi_axis_model.py``'s Megatron-style scanned MLP stack.
 Exactness is measured against plain single-device optax, with the error plain
 GSPMD makes on the same mesh as the yardstick: Adam turns the last bits of
 rounding in the reductions' order into visible differences for parameters whose
@@ -12,6 +9,7 @@ gradients are tiny.
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,86 +19,22 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from tests.test_checkpoint import assert_placed, assert_same, logical_values
+from tests.helpers import assert_placed, unpadded
+from tests.multi_axis_model import (
+  MESHES,
+  MIN_SHARD_SIZE,
+  WIDTH,
+  batch_on,
+  loss_fn,
+  make_batch,
+  make_mesh,
+  make_params,
+  make_tx,
+  optimizer,
+  placed_params,
+)
 
-LAYERS, WIDTH, HIDDEN, BATCH = 2, 32, 128, 16
 STEPS = 2
-# Small leaves shard too, so that every kind of leaf takes the data axes.
-MIN_SHARD_SIZE = 64
-
-MESHES = {
-  "hsdp": ((2, 4), ("replica", "data")),
-  "tensor": ((4, 2), ("data", "model")),
-  "both": ((2, 2, 2), ("replica", "data", "model")),
-}
-TENSOR_PARALLEL = {
-  "layers": {"w1": P(None, None, "model"), "b": P(None, "model"), "w2": P(None, "model", None)},
-  "head": P(),
-  "odd": P(),
-}
-
-
-def make_params() -> dict:
-  rng = np.random.default_rng(0)
-  normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[-2]), jnp.float32)
-  return {
-    "layers": {
-      "w1": normal(LAYERS, WIDTH, HIDDEN),
-      "b": jnp.asarray(rng.normal(size=(LAYERS, HIDDEN)) * 0.1, jnp.float32),
-      "w2": normal(LAYERS, HIDDEN, WIDTH),
-    },
-    "head": normal(WIDTH, 13),
-    "odd": normal(7, 11),  # prime dimensions: padded
-  }
-
-
-def make_batch():
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.normal(size=(BATCH, WIDTH)), jnp.float32)
-  return x, jnp.asarray(rng.normal(size=(BATCH, 13)), jnp.float32)
-
-
-def loss_fn(params, x, y):
-  top = zerojax.gather({k: v for k, v in params.items() if k != "layers"})
-
-  def layer(h, weights):
-    weights = zerojax.gather(weights)  # column- then row-parallel: plain jnp
-    return h + jax.nn.gelu(h @ weights["w1"] + weights["b"]) @ weights["w2"], None
-
-  h, _ = jax.lax.scan(jax.checkpoint(layer, policy=zerojax.remat_policy), x, params["layers"])
-  out = h @ top["head"] + jnp.sum(top["odd"]) * 0.01
-  return jnp.mean((out - y) ** 2)
-
-
-def optimizer():
-  return optax.adam(1e-2)
-
-
-def make_mesh(name: str):
-  shape, names = MESHES[name]
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
-
-
-def placed_params(mesh):
-  """The parameters, on ``model`` as tensor parallelism places them where the mesh has it."""
-  specs = (
-    TENSOR_PARALLEL if "model" in mesh.axis_names else jax.tree.map(lambda _: P(), make_params())
-  )
-  return jax.tree.map(
-    lambda p, spec: jax.device_put(p, NamedSharding(mesh, spec)),
-    make_params(),
-    specs,
-    is_leaf=lambda x: isinstance(x, P),
-  )
-
-
-def replica_axis(mesh):
-  return "replica" if "replica" in mesh.axis_names else None
-
-
-def batch_on(mesh):
-  axes = tuple(a for a in ("replica", "data") if a in mesh.axis_names)
-  return jax.device_put(make_batch(), NamedSharding(mesh, P(axes)))
 
 
 def max_error(tree, reference) -> float:
@@ -137,16 +71,6 @@ def gspmd_error(mesh_name: str) -> float:
   for _ in range(STEPS):
     params, state = step(params, state)
   return max_error(params, single_device())
-
-
-def make_tx(stage: int, mesh, **kwargs):
-  return getattr(zerojax, f"zero{stage}")(
-    optimizer(),
-    mesh=mesh,
-    replica_axis=replica_axis(mesh),
-    min_shard_size=MIN_SHARD_SIZE,
-    **kwargs,
-  )
 
 
 @functools.cache
@@ -308,7 +232,7 @@ def test_checkpoints_move_between_mesh_shapes(tmp_path):
   _, params, opt_state, tx = trained("hsdp", 3, "explicit")
   state = {"params": params, "opt_state": opt_state, "step": jnp.int32(STEPS)}
   spec = state_spec(tx)
-  expected = logical_values(state, spec)
+  expected = unpadded(state, spec.logical)
   flat = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   for hop, (mesh, stage) in enumerate([(flat, 3), (make_mesh("tensor"), 2)]):
     with zerojax.CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
@@ -317,7 +241,7 @@ def test_checkpoints_move_between_mesh_shapes(tmp_path):
     with zerojax.CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
       state = checkpoints.restore()
     assert_placed(state, spec)
-    assert_same(logical_values(state, spec), expected)
+    chex.assert_trees_all_equal(unpadded(state, spec.logical), expected, strict=True)
   # Restored onto the tensor-parallel mesh, the weights are on `model` again.
   assert state["params"]["layers"]["w1"].sharding.spec == P(None, None, "model")
 
@@ -351,7 +275,7 @@ def test_hybrid_sharding_sends_only_the_gradient_shard_across_replicas(stage, re
     return optax.apply_updates(params, updates), state
 
   compiled = jax.jit(step).lower(params, state, *batch_on(mesh)).compile()
-  by_axes = zerojax.count_collectives_by_axes(compiled, mesh)
+  by_axes = zerojax.diagnostics.count_collectives_by_axes(compiled, mesh)
   model_bytes = sum(x.nbytes for x in jax.tree.leaves(make_params()))
   across = {axes: kinds for axes, kinds in by_axes.items() if "replica" in axes}
   moved = {

@@ -19,6 +19,7 @@ changes between cases.
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +29,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+from tests.helpers import as_bits
 
 BATCH = 32  # 8 devices x 4 rows: 4 micro-batches of one row each when accumulating
 MIN_SHARD_SIZE = 64  # "norm" (32 elements) and the scalar stay replicated
@@ -59,7 +61,6 @@ PRECISIONS = {
 #: the element's gradient times the loss scale, 3e4 * 2**10, is not.
 VALUES = {"fp32": ("inf", "nan"), "bf16": ("inf", "nan"), "fp16": ("overflow",)}
 BAD = {"inf": np.inf, "nan": np.nan, "overflow": 3e4}
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def make_params():
@@ -153,8 +154,7 @@ class Run:
     state = self.tx.init(make_params())
     params = self.tx.shard(make_params())
     batch = jax.device_put(make_batch(), self.batch_sharding)
-    # LLVM's optimizations change no number here and take half the compile time.
-    self.step = jax.jit(step).lower(params, state, *batch).compile(FAST_COMPILE)
+    self.step = jax.jit(step).lower(params, state, *batch).compile()
     params, state, loss = self(params, state, make_batch())
     self.clean_loss = float(loss)
     self.start = (params, state)
@@ -205,15 +205,6 @@ def accumulating_run(stage):
   return Run(stage, "explicit", "fp16", mesh_for(stage, "explicit"), microbatches=4)
 
 
-def bits(tree):
-  return [np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}") for x in jax.tree.leaves(tree)]
-
-
-def assert_bit_identical(a, b):
-  for x, y in zip(bits(a), bits(b), strict=True):
-    np.testing.assert_array_equal(x, y)
-
-
 def kept(params, state):
   """What a skipped step must leave bit-identical."""
   return params, state.inner_state, state.master
@@ -225,7 +216,7 @@ def assert_skipped(run, position, value, row=13):
   if value == "overflow":
     assert np.isfinite(float(loss)), "only the scaled gradient overflows, not the loss"
   assert int(new_state.skipped_steps) == 1, f"a non-finite gradient in the {position} was applied"
-  assert_bit_identical(kept(new_params, new_state), kept(params, state))
+  chex.assert_trees_all_equal(as_bits(kept(new_params, new_state)), as_bits(kept(params, state)))
   if state.loss_scale is not None:
     # An overflow spends one step of hysteresis (2 -> 1) and keeps the scale.
     assert int(new_state.loss_scale.hysteresis) == int(state.loss_scale.hysteresis) - 1
@@ -301,7 +292,7 @@ def test_the_padding_of_injected_gradients_decides_nothing(garbage):
   # (not skipped), and the stored padding stays zero.
   run_ = run(3, "drop-in", "fp32")
   params, state = run_.start
-  assert params["head"].shape == (32, 16)
+  chex.assert_shape(params["head"], (32, 16))
   grads = jax.tree.map(jnp.ones_like, params)
   grads["head"] = grads["head"].at[:, 13:].set(BAD[garbage])
   updates, new_state = jax.jit(run_.tx.update)(grads, state, params)

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from tests import collective_order_worker as worker
+from tests import environment
 from zerojax._src import hlo, ordering
 
 WORKER = os.path.join(os.path.dirname(__file__), "collective_order_worker.py")
@@ -129,7 +130,7 @@ def test_parameter_heavy_model_trains_without_aborting():
   # a loaded 2-core machine and 8 of 8 within 15 steps on a quiet one (most at
   # the first step): two runs miss a regression with probability < 0.15 at the
   # worst rate measured. XLA's termination timeout turns a hang into a failure.
-  env = dict(os.environ, XLA_FLAGS="--xla_cpu_collective_call_terminate_timeout_seconds=20")
+  env = environment.subprocess_env(XLA_FLAGS=environment.STUCK_COLLECTIVES_ABORT)
   for _ in range(2):
     result = subprocess.run(
       [sys.executable, WORKER, "--stage", "2", "--steps", "60"],

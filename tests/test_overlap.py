@@ -1,12 +1,13 @@
 """``zerojax.scan``: gathers one layer ahead, reductions one layer behind, a collective per leaf.
 
-Read from the optimized HLO (``zerojax.loop_collectives``), since on CPU the
+Read from the optimized HLO (``zerojax.diagnostics.loop_collectives``), since on CPU the
 collectives are synchronous and overlap cannot be timed.
 """
 
 import functools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 from jax.sharding import AxisType
 
 import zerojax
+from tests.helpers import ROUNDING, rounding
 
 LAYERS, D, F = 5, 40, 56
 LEAVES_PER_LAYER = 6
@@ -97,7 +99,7 @@ def compiled(stage, prefetch, microbatches=1, **options):
 
 def layer_loops(compiled_step):
   """The loops that gather or reduce (the layer loops; micro-batch loops hold them)."""
-  return [loop for loop in zerojax.loop_collectives(compiled_step) if loop.gathers]
+  return [loop for loop in zerojax.diagnostics.loop_collectives(compiled_step) if loop.gathers]
 
 
 @pytest.mark.parametrize(
@@ -141,10 +143,10 @@ def test_each_leaf_moves_in_collectives_of_its_own_without_a_byte_copy(options):
 
 
 def test_stage_2_defers_the_reduction_and_gathers_nothing():
-  loops = zerojax.loop_collectives(compiled(2, 1))
+  loops = zerojax.diagnostics.loop_collectives(compiled(2, 1))
   summary = [(loop.gathers, loop.reductions, loop.waiting_reductions) for loop in loops]
   assert summary == [(0, LEAVES_PER_LAYER, 0)]
-  (serial,) = zerojax.loop_collectives(compiled(2, 0))
+  (serial,) = zerojax.diagnostics.loop_collectives(compiled(2, 0))
   assert serial.reductions == LEAVES_PER_LAYER and serial.waiting_reductions > 0
 
 
@@ -165,7 +167,9 @@ def test_micro_batches_prefetch_inside_each_micro_batch():
 def test_the_forward_pass_hands_the_last_layer_to_the_backward_pass():
   # prefetch=0 gathers each layer once per pass; prefetch=1 keeps the last one,
   # so it makes one layer's backward gathers fewer.
-  gathers = {p: zerojax.count_collectives(compiled(3, p))["all-gather"].count for p in (0, 1)}
+  gathers = {
+    p: zerojax.diagnostics.count_collectives(compiled(3, p))["all-gather"].count for p in (0, 1)
+  }
   _, backward = layer_loops(compiled(3, 1))
   assert gathers[0] - gathers[1] == backward.gathers > 0
 
@@ -198,14 +202,14 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.users_compiler
 @pytest.mark.parametrize(("stage", "mesh_kind", "options"), CONFIGS, ids=str)
-def test_prefetch_changes_no_number(stage, mesh_kind, options):
-  serial, serial_loss = train(stage, 0, 20, mesh_kind, **options)
-  prefetched, loss = train(stage, 1, 20, mesh_kind, **options)
-  assert loss == pytest.approx(serial_loss, rel=1e-5)
-  for a, b in zip(jax.tree.leaves(prefetched), jax.tree.leaves(serial), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+def test_prefetch_changes_no_number_beyond_rounding(stage, mesh_kind, options):
+  # The prefetching loop is another program than prefetch=0's, which XLA may fuse
+  # and round otherwise: after 20 steps the two agree to the rounding of their
+  # compute dtype (docs/performance.md).
+  serial = train(stage, 0, 20, mesh_kind, **options)
+  prefetched = train(stage, 1, 20, mesh_kind, **options)
+  chex.assert_trees_all_close(prefetched, serial, **rounding(options.get("precision")))
 
 
 def test_prefetch_changes_no_number_beyond_quantization():
@@ -238,8 +242,7 @@ def test_prefetch_trains_like_plain_optax():
     updates, state = reference.update(grad(params, *batch), state, params)
     params = optax.apply_updates(params, updates)
   trained, _ = train(3, 1, 3)
-  for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(params), strict=True):
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+  chex.assert_trees_all_close(trained, params, **ROUNDING)
 
 
 def test_temporaries_grow_by_at_most_two_layers():

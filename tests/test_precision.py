@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,16 +11,7 @@ import pytest
 
 import zerojax
 from tests import models
-from tests.test_equivalence import STAGES, assert_same_params
-
-N = 8
-FP16 = zerojax.Precision(
-  params="fp32",
-  compute="fp16",
-  reduce="fp32",
-  # Small enough that clean steps of the test model do not overflow in fp16.
-  loss_scale=zerojax.DynamicLossScale(initial=2.0**10, growth_interval=2),
-)
+from tests.helpers import FP16, ROUNDING, STAGES, as_bits
 
 
 def explicit_step(tx):
@@ -92,7 +84,7 @@ def test_bf16_policy_trains_like_mixed_precision_by_hand(stage, mesh):
   if stage < 3:
     # The working copy is exactly the master rounded, never drifting from it.
     rounded = jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
-    jax.tree.map(np.testing.assert_array_equal, tx.gather(params), rounded)
+    chex.assert_trees_all_equal(tx.gather(params), rounded)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -105,24 +97,8 @@ def test_static_loss_scale_changes_no_number(stage, mesh):
   for _ in range(3):
     params, state, _ = step(params, state, *batch)
   expected = models.reference(optax.adam(1e-2), models.make_params(), batch, 3)
-  assert_same_params(tx.gather(params), expected)
+  chex.assert_trees_all_close(tx.gather(params), expected, **ROUNDING)
   assert int(state.skipped_steps) == 0
-
-
-def poisoned_batch(device=3):
-  """The test batch with an inf in the rows of one device only."""
-  x, y = models.make_batch()
-  rows = models.BATCH // N
-  return x.at[device * rows, 0].set(jnp.inf), y
-
-
-def bits(tree):
-  return [np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}") for x in jax.tree.leaves(tree)]
-
-
-def assert_bit_identical(a, b):
-  for x, y in zip(bits(a), bits(b), strict=True):
-    np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -133,19 +109,19 @@ def test_overflow_on_one_device_skips_the_step_everywhere(stage, mesh):
   params, state, _ = step(params, state, *clean)  # one real step first
   before = (params, state.inner_state, state.master)
 
-  params, state, loss = step(params, state, *poisoned_batch())
+  params, state, loss = step(params, state, *models.poisoned_batch())
   assert not np.isfinite(loss)
-  assert_bit_identical((params, state.inner_state, state.master), before)
+  chex.assert_trees_all_equal(as_bits((params, state.inner_state, state.master)), as_bits(before))
   assert int(state.skipped_steps) == 1
   # Hysteresis 2: the first overflow keeps the scale, the second halves it.
   assert float(state.loss_scale.scale) == 2.0**10
-  params, state, _ = step(params, state, *poisoned_batch(device=6))
-  assert_bit_identical((params, state.inner_state, state.master), before)
+  params, state, _ = step(params, state, *models.poisoned_batch(device=6))
+  chex.assert_trees_all_equal(as_bits((params, state.inner_state, state.master)), as_bits(before))
   assert (int(state.skipped_steps), float(state.loss_scale.scale)) == (2, 2.0**9)
 
   params, state, _ = step(params, state, *clean)
   assert int(state.skipped_steps) == 2
-  assert not np.array_equal(bits(params)[0], bits(before[0])[0])
+  assert not np.array_equal(as_bits(params)[0], as_bits(before[0])[0])
 
 
 def test_skip_keeps_negative_zero(mesh):
@@ -155,8 +131,8 @@ def test_skip_keeps_negative_zero(mesh):
   full["head"] = full["head"].at[0, 0].set(-0.0)
   params = tx.shard(full)
   state = tx.init(params)
-  new_params, state, _ = explicit_step(tx)(params, state, *poisoned_batch())
-  assert_bit_identical(new_params, params)
+  new_params, state, _ = explicit_step(tx)(params, state, *models.poisoned_batch())
+  chex.assert_trees_all_equal(as_bits(new_params), as_bits(params))
   assert np.signbit(np.asarray(tx.gather(new_params)["head"])[0, 0])
   assert int(state.skipped_steps) == 1
   assert state.loss_scale is None
@@ -164,7 +140,7 @@ def test_skip_keeps_negative_zero(mesh):
 
 def test_without_skipping_a_non_finite_step_is_applied(mesh):
   tx, params, state = start(3, mesh, optax.sgd(0.1), None)
-  params, state, _ = explicit_step(tx)(params, state, *poisoned_batch())
+  params, state, _ = explicit_step(tx)(params, state, *models.poisoned_batch())
   assert not np.isfinite(np.asarray(tx.gather(params)["embed"])).all()
   assert int(state.skipped_steps) == 0
 
@@ -212,7 +188,8 @@ def test_pre_clip_grad_norm_is_the_true_global_norm(stage, mesh):
   grads = jax.grad(models.loss_fn)(models.make_params(), *batch)
   assert float(state.pre_clip_grad_norm) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
   assert float(state.pre_clip_grad_norm) > 0.1  # so the clip was active, and the norm is pre-clip
-  assert_same_params(tx.gather(params), models.reference(inner, models.make_params(), batch, 1))
+  expected = models.reference(inner, models.make_params(), batch, 1)
+  chex.assert_trees_all_close(tx.gather(params), expected, **ROUNDING)
 
 
 def test_policies_by_name():
@@ -321,5 +298,5 @@ def test_fp16_drop_in_path_scales_the_loss_as_documented(stage, mesh):
     *ours, _ = explicit(*ours, *models.make_batch())
     *theirs, _ = drop_in(*theirs, *models.make_batch())
   assert int(ours[1].skipped_steps) == int(theirs[1].skipped_steps) == 0
-  jax.tree.map(np.testing.assert_array_equal, theirs[1].loss_scale, ours[1].loss_scale)
+  chex.assert_trees_all_equal(theirs[1].loss_scale, ours[1].loss_scale)
   assert_trained_like(tx.gather(tx.master_params(*theirs)), tx.gather(tx.master_params(*ours)))

@@ -6,11 +6,10 @@ changes the numbers (by a bounded amount) and the bytes, nothing else.
 """
 
 import functools
-import os
 import subprocess
 import sys
-from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,12 +19,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from tests import test_meshes as meshes
-from tests.test_checkpoint import assert_same, logical_values
+from tests import environment
+from tests import multi_axis_model as meshes
+from tests.helpers import as_bits, unpadded
 from zerojax._src import quantize
 
 INT8, INT4 = quantize.Quantization(8, 256), quantize.Quantization(4, 256)
-ROOT = Path(__file__).resolve().parent.parent
 
 
 #: The largest code of each width, from the format's definition (levels -qmax..qmax).
@@ -273,7 +272,7 @@ def collective_bytes(mesh_name, stage, option):
   tx = meshes.make_tx(stage, mesh, **OPTIONS.get(option, {}))
   params = tx.shard(meshes.placed_params(mesh))
   compiled = grad_step(tx).lower(params, *meshes.batch_on(mesh)).compile()
-  return zerojax.count_collectives(compiled), compiled, tx
+  return zerojax.diagnostics.count_collectives(compiled), compiled, tx
 
 
 def test_stage3_moves_at_most_030x_the_fp32_bytes():
@@ -294,7 +293,7 @@ def test_stage3_moves_at_most_030x_the_fp32_bytes():
 
 def test_hybrid_sharding_quantizes_the_cross_replica_reduction():
   _, compiled, tx = collective_bytes("hsdp", 3, "int8 both")
-  by_axes = zerojax.count_collectives_by_axes(compiled, tx.mesh)
+  by_axes = zerojax.diagnostics.count_collectives_by_axes(compiled, tx.mesh)
   across = {kind: c.bytes for kind, c in by_axes[("replica",)].items() if c.bytes}
   shard_bytes = sum(x.nbytes for x in jax.tree.leaves(meshes.make_params())) / tx.num_shards
   # An all-to-all and an all-gather of int8 codes, each about a quarter of the shard.
@@ -320,7 +319,7 @@ def test_a_non_finite_gradient_is_still_seen_and_the_step_skipped(stage):
   x = x.at[5, 3].set(jnp.inf)  # one device's slice overflows
   new_params, new_state = train_step(tx)(params, state, x, y)
   assert int(new_state.skipped_steps) == 1
-  assert_same(jax.tree.map(np.asarray, new_params), jax.tree.map(np.asarray, params))
+  chex.assert_trees_all_equal(as_bits(new_params), as_bits(params))
 
 
 def test_checkpoints_hold_no_quantization_state(tmp_path):
@@ -339,7 +338,9 @@ def test_checkpoints_hold_no_quantization_state(tmp_path):
     manager.save(1, state, force=True)
   with zerojax.CheckpointManager(tmp_path, spec(plain)) as manager:
     restored = manager.restore()
-  assert_same(logical_values(restored, spec(plain)), logical_values(state, spec(quantized)))
+  chex.assert_trees_all_equal(
+    unpadded(restored, spec(plain).logical), unpadded(state, spec(quantized).logical), strict=True
+  )
 
 
 def test_the_drop_in_path_is_unchanged_by_quantization():
@@ -354,7 +355,7 @@ def test_the_drop_in_path_is_unchanged_by_quantization():
     return jax.tree.map(np.asarray, jax.jit(jax.grad(loss))(tx.shard(placed), *batch))
 
   plain, quantized = (meshes.make_tx(3, mesh, **o) for o in ({}, OPTIONS["int8 both"]))
-  assert_same(drop_in_grads(quantized), drop_in_grads(plain))
+  chex.assert_trees_all_equal(drop_in_grads(quantized), drop_in_grads(plain), strict=True)
 
 
 # --------------------------------------------------------------------- JAX upgrades
@@ -378,7 +379,7 @@ import jax, jax.numpy as jnp, optax
 import zerojax
 from zerojax._src import distributed
 
-zerojax.use_cpu_devices(8)
+zerojax.distributed.use_cpu_devices(8)
 
 # The exit-hook shortcut gives up quietly: crashes just exit the slow way.
 hook = sys.excepthook
@@ -416,7 +417,7 @@ print("ok")
 def test_import_and_quantization_survive_jax_moving_its_private_helpers():
   done = subprocess.run(
     [sys.executable, "-c", WITHOUT_JAX_PRIVATES],
-    env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    env=environment.subprocess_env(),
     capture_output=True,
     text=True,
     timeout=120,

@@ -1,4 +1,4 @@
-"""SLURM for real: srun and sbatch on the one-node cluster that ci/slurm_up.sh stands up.
+"""SLURM for real: srun and sbatch on the one-node cluster that .ci/slurm_up.sh stands up.
 
 1. ``srun -n 2 python examples/train_lm.py --detect-cluster`` (2 processes x 4 CPU devices;
    JAX reads SLURM_* itself) trains like 1 process x 8 devices.
@@ -25,16 +25,16 @@ import sys
 import time
 from pathlib import Path
 
-import jax
+import chex
 import numpy as np
 import pytest
 
 import zerojax
 from examples import train_lm
 from examples.lm import configs, report
-from tests import lm_reference
+from tests import environment, lm_reference
+from tests.environment import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SBATCH = "examples/slurm/train.sbatch"
 # The sbatch job: 2 tasks of 1 device, 40 steps of the tiny model, a checkpoint every 5.
 JOB_STEPS = 40
@@ -48,7 +48,7 @@ JOB_FLAGS = [
 def cluster_problem() -> str | None:
   """Why the SLURM tests cannot run here, or ``None``."""
   if shutil.which("sinfo") is None:
-    return "sinfo is missing: SLURM is not installed (as root, ci/slurm_up.sh stands one up)"
+    return "sinfo is missing: SLURM is not installed (as root, .ci/slurm_up.sh stands one up)"
   done = subprocess.run(
     ["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True, timeout=60
   )
@@ -56,7 +56,7 @@ def cluster_problem() -> str | None:
   if done.returncode or not {"idle", "mixed", "allocated"} & set(states):
     return (
       f"SLURM does not answer with a usable node (sinfo: {done.stdout.strip() or 'nothing'}; "
-      f"{done.stderr.strip()}); as root, ci/slurm_up.sh starts it"
+      f"{done.stderr.strip()}); as root, .ci/slurm_up.sh starts it"
     )
   return None
 
@@ -90,17 +90,10 @@ def test_without_slurm_the_tests_skip_saying_why_and_under_ci_they_fail(monkeypa
 def job_env(devices_per_process: int) -> dict[str, str]:
   """The environment srun and sbatch pass on to the tasks (sbatch's --export=ALL).
 
-  The XLA flags are this process's (the same compiler settings, so that the same steps give
-  the same bits) with the tasks' device count instead of 8.
+  This process's, XLA flags included (the same compiler settings, so that the same steps give
+  the same bits), with the tasks' device count instead of 8.
   """
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-  flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-  return {
-    **os.environ,
-    "PYTHONPATH": str(ROOT),
-    "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": " ".join(flags),
-  }
+  return environment.subprocess_env(devices=devices_per_process, JAX_PLATFORMS="cpu")
 
 
 def assert_plain_progress(log: str, last_step: int) -> None:
@@ -220,7 +213,7 @@ def test_the_batch_script_is_preempted_requeued_and_ends_as_if_never_stopped(slu
   assert [line["loss"] for line in lines] == reference["train_loss"]
   final = zerojax.load_params(checkpoints, step=JOB_STEPS)
   expected = zerojax.load_params(tmp_path / "ref", step=JOB_STEPS)
-  jax.tree.map(lambda a, e: np.testing.assert_array_equal(a, e, strict=True), final, expected)
+  chex.assert_trees_all_equal(final, expected, strict=True)
 
 
 class Terminal(io.StringIO):

@@ -1,10 +1,18 @@
-"""zerojax: ZeRO stages 1, 2 and 3 for JAX, as Optax transformations."""
+"""zerojax: ZeRO stages 1, 2 and 3 for JAX, as Optax transformations.
 
+The optimizer API is here: ``zero1``, ``zero2`` and ``zero3`` wrap an optax
+optimizer; ``value_and_grad``, ``scan`` and ``gather`` write the training step;
+the estimators predict memory and communication; ``CheckpointManager`` saves
+and resumes. Reading compiled steps lives in ``zerojax.diagnostics``, running
+on many processes in ``zerojax.distributed``, Flax in ``zerojax.flax``, and
+the command lines in ``zerojax.launch``, ``zerojax.estimate`` and
+``zerojax.export``.
+"""
+
+from zerojax import diagnostics, distributed
 from zerojax._src.checkpoint import CheckpointManager, StateSpec, train_state_spec
 from zerojax._src.collectives import Shard, except_gathered, gather, remat_policy
-from zerojax._src.devices import use_cpu_devices
-from zerojax._src.distributed import gather_to_host, global_batch, initialize
-from zerojax._src.elastic import elastic_device_counts, elastic_microbatches
+from zerojax._src.deprecations import moved_names
 from zerojax._src.estimate import (
   CommunicationEstimate,
   MemoryEstimate,
@@ -14,12 +22,8 @@ from zerojax._src.estimate import (
 )
 from zerojax._src.export import export_safetensors, load_params
 from zerojax._src.grad import value_and_grad
-from zerojax._src.hlo import Collective, count_collectives, count_collectives_by_axes
 from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
-from zerojax._src.overlap import LoopCollectives, loop_collectives
 from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
-from zerojax._src.preemption import PREEMPTED_EXIT_CODE, preemption_requested
-from zerojax._src.profile import StepProfile, profile
 from zerojax._src.quantize import Quantization
 from zerojax._src.scan import scan
 from zerojax._src.state import ZeroState
@@ -29,47 +33,42 @@ __version__ = "0.1.0"
 
 __all__ = (
   "DEFAULT_MIN_SHARD_SIZE",
-  "PREEMPTED_EXIT_CODE",
   "CheckpointManager",
-  "Collective",
   "CommunicationEstimate",
   "DynamicLossScale",
   "Layout",
   "LeafLayout",
-  "LoopCollectives",
   "LossScaleState",
   "MemoryEstimate",
   "Precision",
   "Quantization",
   "Shard",
   "StateSpec",
-  "StepProfile",
   "ZeroState",
   "ZeroTransformation",
-  "count_collectives",
-  "count_collectives_by_axes",
   "default_shard_dim",
-  "elastic_device_counts",
-  "elastic_microbatches",
   "estimate_communication",
   "estimate_memory",
   "estimate_tree_memory",
   "except_gathered",
   "export_safetensors",
   "gather",
-  "gather_to_host",
-  "global_batch",
-  "initialize",
   "load_params",
-  "loop_collectives",
-  "preemption_requested",
-  "profile",
   "remat_policy",
   "scan",
   "train_state_spec",
-  "use_cpu_devices",
   "value_and_grad",
   "zero1",
   "zero2",
   "zero3",
+)
+
+# Names that moved to zerojax.diagnostics and zerojax.distributed: found here too, with a
+# DeprecationWarning that names the new place, for one more release.
+__getattr__ = moved_names(
+  "zerojax",
+  {
+    **dict.fromkeys(diagnostics.__all__, "zerojax.diagnostics"),
+    **dict.fromkeys(distributed.__all__, "zerojax.distributed"),
+  },
 )

@@ -2,9 +2,11 @@
 
 The code annotates with the private modules it imports (``layout_lib.Layout``,
 ``precision_lib.Precision``, ``zerojax._src.zero.ZeroState``); the reader knows the
-public name (``zerojax.Layout``). A reference that does not resolve, whose prefix is
-such an alias and whose last part is a documented ``zerojax`` name, is resolved to
-that name. Anything else stays unresolved, so a real broken reference still fails.
+public name (``zerojax.Layout``, ``zerojax.diagnostics.StepProfile``). A reference that
+does not resolve, whose prefix is such an alias and whose last part is a documented
+``zerojax`` name, or else the last part of exactly one documented name of a public
+module of ``zerojax``, is resolved to that name. Anything else stays unresolved, so a
+real broken reference still fails.
 """
 
 from docutils import nodes
@@ -22,13 +24,22 @@ def resolve(
   if not (prefix.endswith("_lib") or prefix.startswith("zerojax._src")):
     return None
   domain = env.get_domain("py")
-  if f"zerojax.{name}" not in domain.objects:
+  public = (
+    [f"zerojax.{name}"]
+    if f"zerojax.{name}" in domain.objects
+    else [
+      documented
+      for documented in domain.objects
+      if documented.startswith("zerojax.") and documented.rpartition(".")[2] == name
+    ]
+  )
+  if len(public) != 1:  # none, or a name of two namespaces: leave it unresolved
     return None
   shown = nodes.Text(name) if isinstance(contnode, nodes.Text) else contnode.deepcopy()
   for text in [] if isinstance(shown, nodes.Text) else list(shown.findall(nodes.Text)):
     text.parent.replace(text, nodes.Text(name))  # the public name, not the private path
   return domain.resolve_xref(
-    env, node["refdoc"], app.builder, node["reftype"], f"zerojax.{name}", node, shown
+    env, node["refdoc"], app.builder, node["reftype"], public[0], node, shown
   )
 
 

@@ -5,7 +5,7 @@ name and capped, read as bytes (the vocabulary is the 256 byte values). The
 last ``VAL_FRACTION`` is held out. Batches are windows at random starts that
 are a function of the seed and the step alone, so a resumed run trains on
 exactly the batches an uninterrupted one would; each process builds only its
-own rows and ``zerojax.global_batch`` joins them over the mesh. ``Batches``
+own rows and ``zerojax.distributed.global_batch`` joins them over the mesh. ``Batches``
 puts it together for a run: the training batch of each step and the one
 validation batch, split over the mesh.
 """
@@ -89,7 +89,7 @@ def global_batch(
   """
   rows = len(starts) // jax.process_count()
   mine = starts[jax.process_index() * rows :][:rows]
-  return zerojax.global_batch(
+  return zerojax.distributed.global_batch(
     windows(data, mine, seq_len), mesh, axis_name=axes, check_processes=check_processes
   )
 

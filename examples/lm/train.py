@@ -67,7 +67,7 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     if loss_log:
       report.log_loss(loss_log, step, history.train_loss[-1])
     # Every process, every step: True at the same step on all once any got SIGTERM.
-    preempted = zerojax.preemption_requested(step)
+    preempted = zerojax.distributed.preemption_requested(step)
     if checkpoints:
       save(checkpoints, mesh, step, params, opt_state, force=step == config.steps or preempted)
     if preempted:
@@ -173,7 +173,7 @@ def exit_preempted(config: configs.Config, checkpoints, step: int, say) -> None:
   if checkpoints:
     checkpoints.close()  # waits for the save
   saved = f"saved it to {config.checkpoint_dir}" if checkpoints else "no --checkpoint-dir"
-  status = zerojax.PREEMPTED_EXIT_CODE
+  status = zerojax.distributed.PREEMPTED_EXIT_CODE
   say(f"preempted: stopped after step {step} ({saved}); exiting with status {status}")
   raise SystemExit(status)
 

@@ -189,7 +189,7 @@ class CheckpointManager:
     own, state, error = self._attempt(step)
     verdict, error = verdict_lib.vote(own, error, f"checkpoint step {step} in {self.directory}")
     if verdict == Verdict.MISFIT:
-      raise error
+      raise error  # pyright: ignore[reportGeneralTypeIssues] (a misfit comes with its error)
     return (None, error) if verdict == Verdict.DAMAGED else (state, None)
 
   def _attempt(self, step: int) -> tuple[Verdict, Any, Exception | None]:

@@ -142,7 +142,7 @@ def read_layout(manager: ocp.CheckpointManager, step: int | None) -> tuple[int, 
       f"checkpoint step {step} in {manager.directory} has no readable layout "
       f"record ({error}); it is damaged: restore another step."
     ) from error
-  return step, layout
+  return step, dict(layout)
 
 
 def set_aside(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -94,7 +95,7 @@ def train_state_spec(tx: zero_lib.ZeroTransformation, params: Any, **extras: Any
 
 def _extra(name: str, x: Any) -> jax.ShapeDtypeStruct:
   struct = jax.eval_shape(lambda x: x, x)
-  if not isinstance(struct, jax.ShapeDtypeStruct) or jax.dtypes.issubdtype(
+  if not isinstance(struct, jax.ShapeDtypeStruct) or jnp.issubdtype(
     struct.dtype, jax.dtypes.prng_key
   ):
     raise ValueError(

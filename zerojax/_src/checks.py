@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from zerojax._src import layout as layout_lib
 
@@ -44,7 +45,7 @@ def on_mesh(tree: Any, settings: Settings, what: str, fix: str) -> None:
   mesh = settings.mesh
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     where = f"{what}{jax.tree_util.keystr(path)}"
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, Tracer):
       found = jax.typeof(x).sharding.mesh
       if found.empty or found.shape_tuple == mesh.abstract_mesh.shape_tuple:
         continue
@@ -90,7 +91,7 @@ def batch(arguments: tuple[Any, ...], settings: Settings, microbatches: int) -> 
 
 def _split(settings: Settings, microbatches: int) -> str:
   n, axes = settings.num_shards * settings.num_replicas, settings.batch_axes
-  named = f"mesh axes {axes}" if len(axes) > 1 else f"mesh axis {axes[0]!r}"
+  named = f"mesh axes {axes}" if len(axes) > 1 else f"mesh axis {''.join(axes)!r}"
   split = f"{n} devices of {named}"
   if settings.replica_axes:
     split += f" ({settings.num_replicas} replicas x {settings.num_shards} shards)"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import pathlib
 import sys
@@ -27,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 _DESCRIPTIONS = pathlib.Path(__file__).parent / "targets"
 
@@ -80,31 +81,41 @@ TARGETS = {
 }
 
 
-def target(name: str) -> Target:
-  """The ``Target`` called ``name``, with a clear error for an unknown one."""
-  if name not in TARGETS:
-    raise ValueError(f"unknown target {name!r}: choose one of {sorted(TARGETS)}.")
-  return TARGETS[name]
+def find_target(target: Target | str) -> Target:
+  """``target`` itself, or the ``Target`` it names, with a clear error for an unknown name."""
+  if isinstance(target, Target):
+    return target
+  if target not in TARGETS:
+    raise ValueError(f"unknown target {target!r}: choose one of {sorted(TARGETS)}.")
+  return TARGETS[target]
 
 
-def environment(target: Target | str, *, scheduler_log: bool = True) -> dict[str, str]:
+def environment(target: str, *, scheduler_log: bool = True) -> dict[str, str]:
   """The environment variables a process compiling for ``target`` must start with.
 
+  The compilers read them when they load, on the process's first use of a
+  device: start a new process with them (``XLA_FLAGS`` is yours to add, as on
+  the accelerators' hosts).
+
   Args:
-    target: a ``Target`` or its name.
+    target: ``"h100x8"``, ``"v5e-8"`` or ``"v5e-64"`` (see ``deviceless_mesh``).
     scheduler_log: on GPU, make XLA log its latency-hiding scheduler's
-      statistics (read them with ``capture_stderr`` and
-      ``zerojax.diagnostics.scheduler_estimate``).
+      statistics (read them with ``capture_stderr`` and ``scheduler_estimate``).
 
   Returns:
-    Variables to add to ``os.environ`` (for ``subprocess.run(env=...)``).
+    Variables to add to the environment (``subprocess.run(env={**os.environ, **env})``).
+
+  Raises:
+    ValueError: for a target zerojax does not know.
 
   Example:
-    >>> from zerojax._src import deviceless
-    >>> sorted(deviceless.environment("v5e-8"))
-    ['JAX_PLATFORMS', 'TPU_SKIP_MDS_QUERY']
+    >>> from zerojax.diagnostics import deviceless_environment
+    >>> sorted(deviceless_environment("v5e-8"))
+    ['ALLOW_MULTIPLE_LIBTPU_LOAD', 'JAX_PLATFORMS', 'TPU_SKIP_MDS_QUERY']
+    >>> deviceless_environment("h100x8")["CUDA_VISIBLE_DEVICES"]
+    '-1'
   """
-  target = TARGETS[target] if isinstance(target, str) else target
+  target = find_target(target)
   if target.platform == "cuda":
     env = {
       "JAX_PLATFORMS": "cuda,cpu",
@@ -136,29 +147,75 @@ def _check_environment(target: Target) -> None:
 
 
 def mesh(
-  target: Target | str, shape: tuple[int, ...], axis_names: tuple[str, ...], axis_types=None
+  target: str,
+  shape: tuple[int, ...],
+  axis_names: tuple[str, ...],
+  axis_types: tuple[AxisType, ...] | None = None,
 ) -> Mesh:
   """A ``jax.sharding.Mesh`` over ``target``'s devices, to compile for (never to run on).
 
   Nothing can be placed on these devices: give ``jax.jit(...).lower`` abstract
-  arguments (``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh,
-  spec))``).
+  arguments, ``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh,
+  spec))``, and the abstract outputs of zerojax's placement with
+  ``jax.eval_shape(tx.shard, ...)``.
+
+  Args:
+    target: ``"h100x8"`` (8 x H100 SXM), ``"v5e-8"`` (TPU v5e, 2 x 4) or
+      ``"v5e-64"`` (8 x 8).
+    shape: the mesh's shape; its product must be the target's device count.
+    axis_names: the mesh's axis names.
+    axis_types: as for ``jax.sharding.Mesh`` (``Auto`` by default).
+
+  Returns:
+    The mesh.
+
+  Raises:
+    RuntimeError: in a process not started with ``deviceless_environment(target)``.
+
+  Example:
+    In a process started with ``deviceless_environment("h100x8")`` in its
+    environment (``benchmarks/accelerators.py`` does this)::
+
+      import jax, jax.numpy as jnp, optax, zerojax
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      mesh = zerojax.diagnostics.deviceless_mesh("h100x8", (8,), ("data",))
+      tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
+      full = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+      shardings = tx.param_shardings(full)
+      params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(tx.shard, full), shardings)
+      compiled = jax.jit(step).lower(params, ...).compile()
+      compiled.memory_analysis().temp_size_in_bytes  # what an H100 would need
   """
-  target = TARGETS[target] if isinstance(target, str) else target
+  target = find_target(target)
   devices = target.devices()
-  if np.prod(shape) != len(devices):
+  if math.prod(shape) != len(devices):
     raise ValueError(
-      f"a mesh of shape {shape} needs {int(np.prod(shape))} devices; {target.name} has "
-      f"{len(devices)}."
+      f"a mesh of shape {shape} needs {math.prod(shape)} devices; {target.name} has "
+      f"{len(devices)}: pass a shape whose product is {len(devices)}."
     )
   return Mesh(np.array(devices).reshape(shape), axis_names, axis_types=axis_types)
 
 
 @contextlib.contextmanager
 def capture_stderr() -> Iterator[list[str]]:
-  """Collects what the process writes to its standard error (C++ logs included) meanwhile.
+  """Collects what the process writes to its standard error meanwhile, C++ logs included.
 
-  Yields a list that holds the text once the block ends.
+  XLA logs its scheduler's statistics from C++, straight to file descriptor
+  2, where Python's ``sys.stderr`` redirection cannot see them; this
+  redirects the descriptor itself.
+
+  Yields:
+    A list that holds the captured text once the block ends.
+
+  Example:
+    >>> import os
+    >>> from zerojax.diagnostics import capture_stderr
+    >>> with capture_stderr() as log:
+    ...   _ = os.write(2, b"written by C++, say\\n")
+    >>> log[0]
+    'written by C++, say\\n'
   """
   captured: list[str] = []
   with tempfile.TemporaryFile(mode="w+b") as sink:

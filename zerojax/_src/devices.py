@@ -33,13 +33,13 @@ def use_cpu_devices(count: int) -> None:
     At the top of a script, on a CPU-only machine:
 
     >>> import jax, zerojax
-    >>> zerojax.use_cpu_devices(8)
+    >>> zerojax.distributed.use_cpu_devices(8)
     >>> jax.device_count()
     8
 
     Too late to change the number:
 
-    >>> zerojax.use_cpu_devices(4)
+    >>> zerojax.distributed.use_cpu_devices(4)
     Traceback (most recent call last):
     ...
     ValueError: JAX's CPU backend already started with 8 devices, so it cannot have 4 ...
@@ -55,6 +55,7 @@ def use_cpu_devices(count: int) -> None:
     if started_with != count:
       raise ValueError(
         f"JAX's CPU backend already started with {started_with} devices, so it cannot have "
-        f"{count} now: call zerojax.use_cpu_devices({count}) before anything touches a device "
-        "(jax.devices(), creating an array, a jitted call), or run in a fresh process."
+        f"{count} now: call zerojax.distributed.use_cpu_devices({count}) before anything "
+        "touches a device (jax.devices(), creating an array, a jitted call), or run in a fresh "
+        "process."
       ) from None

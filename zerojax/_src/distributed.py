@@ -346,7 +346,7 @@ def gather_to_host(
     )
   receives = process is None or process == jax.process_index()
   layout = tx.layout(params)
-  with mesh_lib.entered(tx.mesh, params):
+  with mesh_lib.set_mesh_unless_traced(tx.mesh, params):
     gathered = layout.map(
       lambda leaf, x: _gather_leaf(tx.mesh, leaf, x, receives, max_piece_bytes), params
     )

@@ -37,12 +37,12 @@ def elastic_microbatches(global_batch: int, devices: int, max_per_device: int) -
       ``global_batch``; the message lists the device counts that do.
 
   Example:
-    >>> import zerojax
-    >>> zerojax.elastic_microbatches(32, devices=8, max_per_device=4)
+    >>> from zerojax.distributed import elastic_microbatches
+    >>> elastic_microbatches(32, devices=8, max_per_device=4)
     1
-    >>> zerojax.elastic_microbatches(32, devices=4, max_per_device=4)  # a host of 4 lost
+    >>> elastic_microbatches(32, devices=4, max_per_device=4)  # a host of 4 lost
     2
-    >>> zerojax.elastic_microbatches(32, devices=16, max_per_device=4)  # 2 per device
+    >>> elastic_microbatches(32, devices=16, max_per_device=4)  # 2 per device
     1
   """
   _check_positive(global_batch=global_batch, devices=devices, max_per_device=max_per_device)
@@ -80,7 +80,7 @@ def elastic_device_counts(
 
   Example:
     >>> import zerojax
-    >>> zerojax.elastic_device_counts(32, max_per_device=4, max_devices=16)
+    >>> zerojax.distributed.elastic_device_counts(32, max_per_device=4, max_devices=16)
     {1: 8, 2: 4, 4: 2, 8: 1, 16: 1}
   """
   _check_positive(global_batch=global_batch, max_per_device=max_per_device)

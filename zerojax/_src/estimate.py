@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -14,7 +14,7 @@ from zerojax._src import precision as precision_lib
 from zerojax._src import quantize, stages
 from zerojax._src.plans import Planner
 from zerojax._src.settings import Settings
-from zerojax._src.state import bookkeeping
+from zerojax._src.state import fresh_loss_scale_and_counters
 
 STAGES = stages.NUMBERS
 
@@ -175,7 +175,7 @@ def estimate_memory(
 
 
 def estimate_tree_memory(
-  params: optax.Params,
+  params: Any,
   optimizer: optax.GradientTransformation,
   *,
   num_devices: int,
@@ -243,9 +243,9 @@ def estimate_tree_memory(
     if layout is not None:
       (host if name in offloaded else device).append(_bytes(layout, num_devices))
   if stage_.splits_state:
-    bookkeeping_ = planner.split(jax.eval_shape(lambda: bookkeeping(settings.precision)))
-    device.append(_bytes(bookkeeping_, num_devices))
-  share = lambda splits, counts: _share(splits, *counts, num_devices)
+    counters = jax.eval_shape(lambda: fresh_loss_scale_and_counters(settings.precision))
+    device.append(_bytes(planner.split(counters), num_devices))
+  share = lambda splits, counts: _share(splits, counts[0], counts[1], num_devices)
   summed = lambda counts: tuple(map(sum, zip((0, 0), *counts, strict=True)))
   return _estimate(
     share(stage_.splits_params, _bytes(plans.params, num_devices)),
@@ -275,7 +275,7 @@ def _bytes(layout: layout_lib.Layout, num_devices: int) -> tuple[int, int]:
 class CommunicationEstimate(NamedTuple):
   """Bytes per device per step that a ZeRO stage's collectives gather or reduce.
 
-  Counted as ``zerojax.count_collectives`` counts a compiled step: each
+  Counted as ``zerojax.diagnostics.count_collectives`` counts a compiled step: each
   collective by the full array it works on (an all-gather's result, a
   reduce-scatter's, all-to-all's or all-reduce's operand). That is the ZeRO
   paper's accounting, in which stages 1 and 2 move 2Ψ per step and stage 3
@@ -402,7 +402,7 @@ def estimate_communication(
   elif gradients is None:
     across = shard * grad_bytes
   else:
-    across = 2 * gradients.moved_bytes(shard)
+    across = 2 * gradients.moved_bytes(shard)  # pyright: ignore[reportArgumentType] (Ψ/N)
   return _communication(passes * moved(weights, param_bytes), moved(gradients, grad_bytes), across)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,8 @@ _PAPER_STATE_BYTES = 12
 _COMMUNICATION_CAPTION = (
   "Communication, GB each device sends per step over a ring (the ZeRO paper's accounting: an\n"
   "all-gather or a reduce-scatter moves its whole array, an all-reduce twice, as it is both;\n"
-  "so plain DP moves as much as zero1. zerojax.count_collectives counts an all-reduce once):"
+  "so plain DP moves as much as zero1. zerojax.diagnostics.count_collectives counts an\n"
+  "all-reduce once):"
 )
 
 
@@ -44,7 +46,7 @@ def state_bytes_per_param(optimizer_name: str, dtype: str, shape=(4096, 4096)) -
     8.0
   """
   params = {"w": jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))}
-  factory = getattr(optax, optimizer_name, None)
+  factory: Any = getattr(optax, optimizer_name, None)
   try:
     optimizer = factory(1e-3)
     per_device = estimate_tree_memory(params, optimizer, num_devices=1, stage=0)
@@ -131,7 +133,7 @@ def communication_table(
   moves 3Ψ: it gathers every weight twice, the second time in backward under
   remat. That is ``zerojax.estimate_communication``'s total with each
   all-reduce (plain DP's, and hybrid sharding's sum of the shard across
-  replicas) counted twice; ``zerojax.count_collectives`` counts it once.
+  replicas) counted twice; ``zerojax.diagnostics.count_collectives`` counts it once.
 
   With quantization, each cell also gives the ratio to the unquantized bytes.
   zerojax quantizes only what zero1-3 move: plain data parallelism and stage 1
@@ -233,7 +235,8 @@ def main(argv: Sequence[str] | None = None) -> str | None:
     Ψ = 7.5e+09 parameters; 2 B/param, 2 B/grad, K = 12 B/param of optimizer state ...
     Communication, GB each device sends per step over a ring (the ZeRO paper's accounting: an
     all-gather or a reduce-scatter moves its whole array, an all-reduce twice, as it is both;
-    so plain DP moves as much as zero1. zerojax.count_collectives counts an all-reduce once):
+    so plain DP moves as much as zero1. zerojax.diagnostics.count_collectives counts an
+    all-reduce once):
      devices   plain DP      zero1      zero2      zero3
     ----------------------------------------------------
           64      30.00      30.00      30.00      45.00
@@ -314,7 +317,7 @@ def _communication(args: argparse.Namespace) -> str:
     return (
       "Communication is not estimated with tensor parallelism: what the data axes move "
       "depends on how the layers are split. Measure a compiled step with "
-      "zerojax.count_collectives_by_axes."
+      "zerojax.diagnostics.count_collectives_by_axes."
     )
   tables = lambda **quantization: communication_table(
     args.params,

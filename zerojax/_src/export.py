@@ -24,6 +24,7 @@ import os
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -49,7 +50,7 @@ _SAFETENSORS_DTYPES = {
 def full_precision(dtype: np.dtype) -> np.dtype:
   """float32 for floating dtypes narrower than it; other dtypes unchanged."""
   dtype = np.dtype(dtype)
-  if jax.dtypes.issubdtype(dtype, np.floating) and dtype.itemsize < 4:
+  if jnp.issubdtype(dtype, np.floating) and dtype.itemsize < 4:
     return np.dtype(np.float32)
   return dtype
 
@@ -73,7 +74,7 @@ def _master_leaves(directory: str | os.PathLike, step: int | None):
       f"exporting reads a checkpoint in one process, but this is process "
       f"{jax.process_index()} of a {jax.process_count()}-process job. Export after "
       "training, from one process: python -m zerojax.export CHECKPOINT_DIR "
-      "model.safetensors (or, inside the job, zerojax.gather_to_host(tx, "
+      "model.safetensors (or, inside the job, zerojax.distributed.gather_to_host(tx, "
       "tx.master_params(params, opt_state), process=0) for the full-precision copy)."
     )
   with (

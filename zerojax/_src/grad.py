@@ -139,17 +139,20 @@ class _ValueAndGrad:
   def _per_device(self, plans: Plans, params, scale, *batch):
     """One device's loss, its aux per micro-batch, and its finished gradient shards."""
     settings = self.settings
-    each = lambda step, *trees: _each(step, plans.sharded, settings, *trees)
-    differentiable = each("differentiable", params)
+    routed = lambda method, *trees: _per_leaf_route(plans.sharded, settings, method, *trees)
+    differentiable = routed(lambda route, leaf, p: route.differentiable(leaf, p, settings), params)
+
+    def for_loss(route, leaf, param, differentiable):
+      return route.for_loss(leaf, param, differentiable, settings)
 
     def local_loss(differentiable, *chunk):
-      loss, aux = self._call_loss(each("for_loss", params, differentiable), *chunk)
+      loss, aux = self._call_loss(routed(for_loss, params, differentiable), *chunk)
       scaled = loss if scale is None else loss.astype(jnp.float32) * scale
       return scaled, (loss, aux)
 
     def micro_step(chunk):
       grads, (loss, aux) = jax.grad(local_loss, has_aux=True)(differentiable, *chunk)
-      return loss, aux, each("accumulable", grads)
+      return loss, aux, routed(lambda route, leaf, g: route.accumulable(leaf, g, settings), grads)
 
     loss, aux, grads = _accumulate(micro_step, batch, self.microbatches, settings.batch_axes)
     divisor = settings.num_shards * settings.num_replicas * self.microbatches
@@ -158,7 +161,8 @@ class _ValueAndGrad:
       grad = grad.astype(leaf.dtype) / divisor
       return grad if scale is None else grad / scale
 
-    grads = plans.sharded.map(mean, each("finish", grads))
+    finished = routed(lambda route, leaf, g: route.finish(leaf, g, settings), grads)
+    grads = plans.sharded.map(mean, finished)
     return jax.lax.pmean(loss, settings.batch_axes), aux, grads
 
   def _call_loss(self, params, *chunk):
@@ -186,10 +190,10 @@ class _ValueAndGrad:
     return opt_state.loss_scale.scale
 
 
-def _each(step: str, layout: layout_lib.Layout, settings, *trees: Any) -> Any:
-  """``route.<step>(leaf, *values, settings)`` for every leaf, by the route its stage gives it."""
-  route = settings.stage.route_of
-  return layout.map(lambda leaf, *xs: getattr(route(leaf), step)(leaf, *xs, settings), *trees)
+def _per_leaf_route(layout: layout_lib.Layout, settings, method, *trees: Any) -> Any:
+  """``method(route, leaf, *values)`` for every leaf, with the ``Route`` its stage gives it."""
+  route_of = settings.stage.route_of
+  return layout.map(lambda leaf, *values: method(route_of(leaf), leaf, *values), *trees)
 
 
 def _describe(x: Any) -> str:

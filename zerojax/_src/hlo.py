@@ -49,7 +49,7 @@ class Collective:
     >>> import jax, jax.numpy as jnp, zerojax
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> x = jax.device_put(jnp.ones(1024), jax.NamedSharding(mesh, jax.P("data")))
-    >>> zerojax.profile(jnp.sum, x).collectives["all-reduce"]
+    >>> zerojax.diagnostics.profile(jnp.sum, x).collectives["all-reduce"]
     Collective(count=1, bytes=4)
   """
 
@@ -84,7 +84,7 @@ def count_collectives(hlo: str | jax.stages.Compiled) -> dict[str, Collective]:
 
     >>> import jax, jax.numpy as jnp, zerojax
     >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
-    >>> zerojax.count_collectives(compiled)["all-reduce"]
+    >>> zerojax.diagnostics.count_collectives(compiled)["all-reduce"]
     Collective(count=0, bytes=0)
 
     An all-gather of 8 floats to 64 floats (256 bytes), in a loop of 3:
@@ -101,10 +101,10 @@ def count_collectives(hlo: str | jax.stages.Compiled) -> dict[str, Collective]:
     ...   ROOT %w = f32[8]{0} while(%a), body=%body, backend_config={"known_trip_count":{"n":"3"}}
     ... }
     ... '''
-    >>> zerojax.count_collectives(hlo)["all-gather"]
+    >>> zerojax.diagnostics.count_collectives(hlo)["all-gather"]
     Collective(count=3, bytes=768)
   """
-  totals = _tally(_text(hlo), lambda instruction: None)
+  totals = _tally(text_of(hlo), lambda instruction: None)
   return {kind: totals.get((None, kind), Collective()) for kind in KINDS}
 
 
@@ -162,7 +162,7 @@ def count_collectives_by_axes(
     >>> f = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=jax.P("replica"))
     >>> x = jax.device_put(jnp.ones((2, 8)), jax.NamedSharding(mesh, spec))
     >>> compiled = jax.jit(f).lower(x).compile()
-    >>> by_axes = zerojax.count_collectives_by_axes(compiled, mesh)
+    >>> by_axes = zerojax.diagnostics.count_collectives_by_axes(compiled, mesh)
     >>> list(by_axes)
     [('replica',), ('data',)]
     >>> by_axes[("data",)]["all-reduce"], by_axes[("replica",)]["all-gather"]
@@ -177,7 +177,7 @@ def count_collectives_by_axes(
     ...   ROOT %r = f32[8]{0} all-reduce(%a), replica_groups=[2,4]<=[8], to_apply=%add
     ... }
     ... '''
-    >>> zerojax.count_collectives_by_axes(hlo, mesh)[("data",)]["all-reduce"]
+    >>> zerojax.diagnostics.count_collectives_by_axes(hlo, mesh)[("data",)]["all-reduce"]
     Collective(count=1, bytes=32)
   """
   if not isinstance(mesh, jax.sharding.Mesh):
@@ -185,7 +185,7 @@ def count_collectives_by_axes(
       f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}; pass the "
       "mesh the program was compiled over."
     )
-  text = _text(hlo)
+  text = text_of(hlo)
   coordinates = _device_coordinates(hlo, text, mesh)
 
   def spanned_axes(instruction: _Instruction) -> tuple[int, ...]:
@@ -204,8 +204,12 @@ def count_collectives_by_axes(
   }
 
 
-def _text(hlo: str | jax.stages.Compiled) -> str:
-  return hlo if isinstance(hlo, str) else hlo.as_text()
+def text_of(hlo: str | jax.stages.Compiled) -> str:
+  """The HLO text of a compiled program (or ``hlo`` itself, given text)."""
+  text = hlo if isinstance(hlo, str) else hlo.as_text()
+  if text is None:
+    raise ValueError("this compiled program has no HLO text to read; pass compiled.as_text().")
+  return text
 
 
 def _tally(text: str, label: Callable[[_Instruction], Hashable]) -> dict[tuple, Collective]:
@@ -399,8 +403,9 @@ def _device_coordinates(
     )
   positions = {device.id: position for position, device in enumerate(mesh.devices.flat)}
   order = list(range(mesh.size))
-  if not isinstance(hlo, str):
-    devices = hlo.runtime_executable().local_devices()
+  executable = None if isinstance(hlo, str) else hlo.runtime_executable()
+  if executable is not None:
+    devices = executable.local_devices()
     if len(devices) == mesh.size:  # one process sees them all: use the program's own order
       outside = sorted(d.id for d in devices if d.id not in positions)
       if outside:

@@ -167,7 +167,7 @@ def launch(
 
   Restarts: after a failure the whole group is started again with the same
   command, up to ``max_restarts`` times; the script resumes from its latest
-  checkpoint. A process that exits with ``zerojax.PREEMPTED_EXIT_CODE`` (75)
+  checkpoint. A process that exits with ``zerojax.distributed.PREEMPTED_EXIT_CODE`` (75)
   was preempted and saved: the others get ``grace_period`` seconds to do the
   same, and if they all do, the group is restarted without counting against
   ``max_restarts`` (a preemption is not a fault of the job, and on preemptible
@@ -687,7 +687,8 @@ def _parser() -> argparse.ArgumentParser:
     type=int,
     default=None,
     help="seconds after which a silent process (dead, stopped, frozen) counts as gone, which "
-    "fails the attempt (sets ZEROJAX_HEARTBEAT_TIMEOUT for zerojax.initialize; default 60)",
+    "fails the attempt (sets ZEROJAX_HEARTBEAT_TIMEOUT for zerojax.distributed.initialize; "
+    "default 60)",
   )
   parser.add_argument(
     "--timeout",

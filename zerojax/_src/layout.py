@@ -82,13 +82,13 @@ class LeafLayout(NamedTuple):
 
   def pad(self, x: jax.Array) -> jax.Array:
     """Appends zeros along ``dim`` (a no-op when no padding is needed)."""
-    if not self.padding:
+    if self.dim is None or not self.padding:
       return x
     return pad_to(x, self.dim, self.padded_size)
 
   def unpad(self, x: jax.Array) -> jax.Array:
     """Drops the padding along ``dim`` (a no-op when there is none)."""
-    if not self.padding:
+    if self.dim is None or not self.padding:
       return x
     return jax.lax.slice_in_dim(x, 0, self.shape[self.dim], axis=x.ndim + self.dim)
 
@@ -129,7 +129,7 @@ class Layout(NamedTuple):
     {'b': P(), 'w': P(None, 'data')}
   """
 
-  treedef: jax.tree_util.PyTreeDef
+  treedef: jax.tree_util.PyTreeDef  # pyright: ignore[reportInvalidTypeForm] (a variable in jax)
   leaves: tuple[LeafLayout, ...]
 
   def tree(self) -> Any:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -64,16 +65,19 @@ def resolve_mesh(
   return mesh
 
 
-def entered(mesh: Mesh, *trees: Any) -> contextlib.AbstractContextManager:
-  """``jax.set_mesh(mesh)`` for an eager call, so that jit knows the devices of
-  outputs that depend on no input (such as a step counter); inside a trace
-  (where ``set_mesh`` is not allowed) nothing."""
+def set_mesh_unless_traced(mesh: Mesh, *trees: Any) -> contextlib.AbstractContextManager:
+  """``jax.set_mesh(mesh)`` for an eager call; nothing inside a trace, which forbids it.
+
+  Set, it tells jit the devices of outputs that depend on no input (such as a
+  step counter). ``trees`` are the call's arguments: a tracer among them means
+  a trace.
+  """
   return contextlib.nullcontext() if is_traced(trees) else jax.set_mesh(mesh)
 
 
 def is_traced(tree: Any) -> bool:
   """Whether any leaf is a tracer (we are inside ``jax.jit`` or another transformation)."""
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+  return any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
 
 
 def is_explicit(mesh: Mesh) -> bool:
@@ -100,16 +104,16 @@ def global_view(mesh: Mesh, fn: Callable[..., Any], out_specs: Any) -> Callable[
   """
   if is_explicit(mesh):
 
-    def run(*args):
+    def run_auto(*args):
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args)
 
-    return run
+    return run_auto
 
-  def run(*args):
+  def run_constrained(*args):
     return constrain(mesh, fn(*args), out_specs)
 
-  return run
+  return run_constrained
 
 
 def constrain(mesh: Mesh, tree: Any, specs: Any) -> Any:

@@ -127,12 +127,12 @@ def resolve(mode: Any, mesh: Any) -> Offload:
   return Offload(mode)
 
 
-def memory_kinds(device: jax.Device) -> list[str]:
+def memory_kinds(device: jax.Device) -> list[str]:  # pyright: ignore[reportInvalidTypeForm]
   """The memory kinds ``device`` offers, sorted."""
   return sorted(memory.kind for memory in device.addressable_memories())
 
 
-def _local_device(mesh: jax.sharding.Mesh) -> jax.Device:
+def _local_device(mesh: jax.sharding.Mesh) -> jax.Device:  # pyright: ignore[reportInvalidTypeForm]
   """A device of ``mesh`` that this process can address (the first, in one process)."""
   devices = list(mesh.devices.flat)
   return next((d for d in devices if d.process_index == jax.process_index()), devices[0])

@@ -20,7 +20,7 @@ from zerojax._src import mesh as mesh_lib
 from zerojax._src import precision as precision_lib
 from zerojax._src.plans import Planner, Plans
 from zerojax._src.settings import Settings
-from zerojax._src.state import ZeroState, bookkeeping, check_policy
+from zerojax._src.state import ZeroState, check_policy, fresh_loss_scale_and_counters
 
 
 class ShardedOptimizer:
@@ -48,7 +48,7 @@ class ShardedOptimizer:
     plans = self.plans(params)
     if plans.master is not None:
       checks.full_precision(params, plans.sharded)
-    with mesh_lib.entered(self.settings.mesh, params):
+    with mesh_lib.set_mesh_unless_traced(self.settings.mesh, params):
       return self._init(params, plans=plans)
 
   def update(self, updates, state, params=None, **extra_args):
@@ -63,11 +63,11 @@ class ShardedOptimizer:
         "precision) parameters, so update needs them: call "
         "tx.update(grads, state, params)."
       )
-    with mesh_lib.entered(self.settings.mesh, updates, state, params, extra_args):
+    with mesh_lib.set_mesh_unless_traced(self.settings.mesh, updates, state, params, extra_args):
       return self._update(updates, state, params, extra_args, plans=plans)
 
   def gather(self, params: optax.Params) -> optax.Params:
-    with mesh_lib.entered(self.settings.mesh, params):
+    with mesh_lib.set_mesh_unless_traced(self.settings.mesh, params):
       return self._gather(params, plans=self.plans(params))
 
   def _gather_impl(self, params, plans: Plans):
@@ -84,7 +84,7 @@ class ShardedOptimizer:
       return ZeroState(
         inner_state=plans.state.pad(settings.inner.init(master)),
         master=None if plans.master is None else plans.master.pad(master),
-        **bookkeeping(settings.precision),
+        **fresh_loss_scale_and_counters(settings.precision),
       )
 
     state = mesh_lib.global_view(settings.mesh, init, plans.state_specs())(params)
@@ -106,7 +106,7 @@ class ShardedOptimizer:
       finite = precision_lib.all_finite(grads)
       keep = finite if settings.precision.skip_nonfinite else jnp.asarray(True)
       new_inner = precision_lib.select(keep, new_inner, inner_state)
-      new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
+      new_updates = jax.tree.map(lambda u: _update_or_no_op(keep, u), new_updates)
       new_master = None
       if plans.master is not None:
         # The master copy takes the sum that stored parameters which are the
@@ -115,7 +115,7 @@ class ShardedOptimizer:
         # leaves XLA nothing to fuse, and round, differently.
         new_master = optax.apply_updates(state.master, plans.master.pad(new_updates))
         new_updates = _difference(settings.mesh, plans, plans.master.unpad(new_master), params)
-        new_updates = jax.tree.map(lambda u: _unless(keep, u), new_updates)
+        new_updates = jax.tree.map(lambda u: _update_or_no_op(keep, u), new_updates)
       new_state = ZeroState(
         inner_state=plans.state.pad(new_inner),
         master=new_master,
@@ -143,7 +143,7 @@ def _master(mesh: Mesh, plans: Plans, state: ZeroState, params: Any) -> Any:
   return mesh_lib.constrain(mesh, master, plans.sharded.specs())
 
 
-def _unless(keep: jax.Array, update: jax.Array) -> jax.Array:
+def _update_or_no_op(keep: jax.Array, update: jax.Array) -> jax.Array:
   """``update``, or, for a skipped step, one that leaves every parameter bit-identical.
 
   That is -0.0 for floats: ``x + -0.0 == x`` for every ``x``, -0.0 included

@@ -62,9 +62,10 @@ class LoopCollectives:
     ...     layer = lambda h, w: (jnp.tanh(h @ w), None)
     ...     return jnp.mean(zerojax.scan(layer, x, params["layers"], prefetch=prefetch)[0])
     ...   return jax.jit(zerojax.value_and_grad(loss_fn, tx)).lower(params, x).compile()
-    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.loop_collectives(compiled(0))]
+    >>> from zerojax.diagnostics import loop_collectives
+    >>> [(loop.gathers, loop.waiting_gathers) for loop in loop_collectives(compiled(0))]
     [(1, 1), (1, 1)]
-    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.loop_collectives(compiled(1))]
+    >>> [(loop.gathers, loop.waiting_gathers) for loop in loop_collectives(compiled(1))]
     [(1, 0), (1, 0)]
   """
 
@@ -104,12 +105,11 @@ def loop_collectives(hlo: str | jax.stages.Compiled) -> list[LoopCollectives]:
     ...   return jax.lax.scan(step, h, w)[0]
     >>> specs = dict(in_specs=(jax.P(None, None, "data"), jax.P()), out_specs=jax.P())
     >>> f = jax.jit(jax.shard_map(layers, mesh=mesh, check_vma=False, **specs))
-    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.loop_collectives(
+    >>> [(loop.gathers, loop.waiting_gathers) for loop in zerojax.diagnostics.loop_collectives(
     ...   f.lower(jnp.ones((3, 16, 16)), jnp.ones((4, 16))).compile())]
     [(1, 1)]
   """
-  text = hlo if isinstance(hlo, str) else hlo.as_text()
-  computations, _ = hlo_lib.parse_module(text)
+  computations, _ = hlo_lib.parse_module(hlo_lib.text_of(hlo))
 
   @functools.cache
   def computes(name: str) -> bool:
@@ -121,7 +121,10 @@ def loop_collectives(hlo: str | jax.stages.Compiled) -> list[LoopCollectives]:
     for instruction in instructions:
       if instruction.opcode != "while":
         continue
-      body = re.search(r"body=%?([\w.\-]+)", instruction.attributes).group(1)
+      body = re.search(r"body=%?([\w.\-]+)", instruction.attributes)
+      if body is None:
+        raise ValueError(f"a while loop without a body in the HLO: {instruction}")
+      body = body.group(1)
       found = _analyse(body, computations[body], computes, computations)
       if found.gathers or found.reductions:
         loops.append(found)

@@ -45,12 +45,13 @@ class Plans(NamedTuple):
 
   def state_specs(self) -> ZeroState:
     """The ``PartitionSpec`` of every leaf of the ``ZeroState``."""
+    scalar: Any = P()  # a spec where the state holds an array
     return ZeroState(
       inner_state=self.state.specs(),
       master=None if self.master is None else self.master.specs(),
-      loss_scale=precision_lib.LossScaleState(P(), P(), P()) if self.loss_scaled else None,
-      skipped_steps=P(),
-      pre_clip_grad_norm=P(),
+      loss_scale=precision_lib.LossScaleState(scalar, scalar, scalar) if self.loss_scaled else None,
+      skipped_steps=scalar,
+      pre_clip_grad_norm=scalar,
     )
 
 

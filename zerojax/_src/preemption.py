@@ -49,7 +49,7 @@ def preemption_requested(step: int) -> bool:
 
   How the processes agree:
 
-  - Under ``jax.distributed`` (``zerojax.initialize`` in a multi-process run),
+  - Under ``jax.distributed`` (``zerojax.distributed.initialize`` in a multi-process run),
     with JAX's preemption service (the default): through
     ``jax.experimental.multihost_utils.reached_preemption_sync_point``. JAX
     catches SIGTERM from ``initialize`` on, shares the notice through its
@@ -82,21 +82,21 @@ def preemption_requested(step: int) -> bool:
 
   Example:
     >>> import os, signal, zerojax
-    >>> zerojax.preemption_requested(1)  # no notice yet
+    >>> zerojax.distributed.preemption_requested(1)  # no notice yet
     False
     >>> os.kill(os.getpid(), signal.SIGTERM)  # what a preempted VM or SLURM sends
-    >>> zerojax.preemption_requested(2)  # stop here: save step 2, exit with PREEMPTED_EXIT_CODE
+    >>> zerojax.distributed.preemption_requested(2)  # stop: save step 2, exit PREEMPTED_EXIT_CODE
     True
 
     In a training loop::
 
       for step in range(first_step, num_steps + 1):
         state = train_step(state, batch(step))
-        stop = zerojax.preemption_requested(step)
+        stop = zerojax.distributed.preemption_requested(step)
         checkpoints.save(step, state, force=stop)
         if stop:
           checkpoints.close()  # waits for the save
-          sys.exit(zerojax.PREEMPTED_EXIT_CODE)
+          sys.exit(zerojax.distributed.PREEMPTED_EXIT_CODE)
   """
   if jax.distributed.is_initialized():
     try:
@@ -133,8 +133,8 @@ def _listen() -> None:
     return
   if threading.current_thread() is not threading.main_thread():
     raise ValueError(
-      "zerojax.preemption_requested installs a SIGTERM handler, which Python allows only in "
-      "the main thread: call it from the main thread (at least the first time)."
+      "zerojax.distributed.preemption_requested installs a SIGTERM handler, which Python allows "
+      "only in the main thread: call it from the main thread (at least the first time)."
     )
   previous = signal.signal(signal.SIGTERM, _on_sigterm)
   # None: a handler installed from C, which Python cannot put back; the default is the best guess.

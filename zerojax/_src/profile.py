@@ -27,11 +27,11 @@ class StepProfile:
       ``peak_memory_in_bytes`` is not used: the CPU backend reports less than
       its temporaries.
     collectives: per kind, executions and bytes per step (see
-      ``zerojax.count_collectives``).
+      ``zerojax.diagnostics.count_collectives``).
 
   Example:
     >>> import jax.numpy as jnp, zerojax
-    >>> report = zerojax.profile(lambda x: x @ x, jnp.ones((256, 256)))
+    >>> report = zerojax.diagnostics.profile(lambda x: x @ x, jnp.ones((256, 256)))
     >>> report.argument_bytes, report.output_bytes
     (262144, 262144)
   """
@@ -72,13 +72,18 @@ def profile(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepProfile:
 
   Example:
     >>> import jax, jax.numpy as jnp, zerojax
-    >>> report = zerojax.profile(lambda x: jnp.sin(x) * 2, jnp.ones((256, 256)))
+    >>> report = zerojax.diagnostics.profile(lambda x: jnp.sin(x) * 2, jnp.ones((256, 256)))
     >>> report.argument_bytes, report.collectives["all-gather"].count
     (262144, 0)
   """
-  jitted = step if hasattr(step, "lower") else jax.jit(step)
+  jitted: Any = step if hasattr(step, "lower") else jax.jit(step)
   compiled = jitted.lower(*args, **kwargs).compile()
   memory = compiled.memory_analysis()
+  if memory is None:
+    raise ValueError(
+      f"the {compiled.runtime_executable().client.platform} backend reports no memory analysis "
+      "for this step, so it cannot be profiled: profile it on CPU, GPU or TPU."
+    )
   peak = (
     memory.argument_size_in_bytes
     + memory.output_size_in_bytes

@@ -29,6 +29,11 @@ class ComputationEstimate:
     executions: how many times one step runs it (trip counts multiplied).
     cycles: XLA's estimated length of one execution.
     wasted: the part of ``cycles`` spent waiting on collectives.
+
+  Example:
+    >>> from zerojax.diagnostics import ComputationEstimate
+    >>> ComputationEstimate("body", executions=15, cycles=1000.0, wasted=250.0).waiting
+    0.25
   """
 
   name: str
@@ -38,7 +43,7 @@ class ComputationEstimate:
 
   @property
   def waiting(self) -> float:
-    """The share of the computation spent waiting on collectives (0 to 1)."""
+    """How much of the computation is spent waiting on collectives, as a share (0 to 1)."""
     return self.wasted / self.cycles if self.cycles else 0.0
 
 
@@ -50,6 +55,14 @@ class StepEstimate:
     computations: every computation the scheduler logged, the entry last.
     silent: loop bodies that run but were not logged (no collective in them),
       so that ``cycles`` leaves them out.
+
+  Example:
+    >>> from zerojax.diagnostics import ComputationEstimate, StepEstimate
+    >>> body = ComputationEstimate("body", executions=15, cycles=1000.0, wasted=250.0)
+    >>> entry = ComputationEstimate("main", executions=1, cycles=3000.0, wasted=0.0)
+    >>> step = StepEstimate((body, entry), silent=())
+    >>> step.cycles, step.wasted, [loop.name for loop in step.loops]
+    (18000.0, 3750.0, ['body'])
   """
 
   computations: tuple[ComputationEstimate, ...]
@@ -57,17 +70,17 @@ class StepEstimate:
 
   @property
   def cycles(self) -> float:
-    """The step's estimated length: each computation's cycles times its executions."""
+    """The step's estimated length, the sum of each computation's cycles times its executions."""
     return sum(c.cycles * c.executions for c in self.computations)
 
   @property
   def wasted(self) -> float:
-    """The part of ``cycles`` spent waiting on collectives."""
+    """How much of ``cycles`` is spent waiting on collectives."""
     return sum(c.wasted * c.executions for c in self.computations)
 
   @property
   def loops(self) -> tuple[ComputationEstimate, ...]:
-    """The loop bodies (computations that run more than once per step)."""
+    """The loop bodies, the computations that run more than once per step."""
     return tuple(c for c in self.computations if c.executions > 1)
 
 

@@ -45,8 +45,11 @@ class ZeroState(NamedTuple):
   pre_clip_grad_norm: jax.Array | None = None
 
 
-def bookkeeping(policy: precision_lib.Precision) -> dict[str, Any]:
-  """The ``ZeroState`` fields of a fresh state besides the optimizer's and the master copy."""
+def fresh_loss_scale_and_counters(policy: precision_lib.Precision) -> dict[str, Any]:
+  """A fresh state's ``loss_scale``, ``skipped_steps`` and ``pre_clip_grad_norm`` fields.
+
+  The ``ZeroState`` fields besides the wrapped optimizer's state and the master copy.
+  """
   return dict(
     loss_scale=precision_lib.init_loss_scale(policy),
     skipped_steps=jnp.zeros((), jnp.int32),

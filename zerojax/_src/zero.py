@@ -12,7 +12,6 @@ docs/design.md).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import jax
@@ -26,7 +25,7 @@ from zerojax._src import precision as precision_lib
 from zerojax._src import quantize
 from zerojax._src import settings as settings_lib
 from zerojax._src.optimizer import ShardedOptimizer
-from zerojax._src.state import ZeroState, bookkeeping
+from zerojax._src.state import ZeroState, fresh_loss_scale_and_counters
 
 
 class ZeroTransformation(optax.GradientTransformationExtraArgs):
@@ -78,11 +77,6 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       f"a ZeroTransformation is immutable (setting {name!r}): build another with "
       "zerojax.zero1/2/3(...), or replace init/update with tx._replace(...)."
     )
-
-  @classmethod
-  def of(cls, optimizer: ShardedOptimizer) -> ZeroTransformation:
-    """The transformation whose ``init`` and ``update`` are ``optimizer``'s."""
-    return cls(optimizer.init, optimizer.update)
 
   @property
   def _optimizer(self) -> ShardedOptimizer:
@@ -232,7 +226,7 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     state = ZeroState(
       inner_state=logical(plans.state),
       master=None if plans.master is None else logical(plans.master),
-      **jax.eval_shape(lambda: bookkeeping(self.precision)),
+      **jax.eval_shape(lambda: fresh_loss_scale_and_counters(self.precision)),
     )
     return logical(plans.params), state
 
@@ -269,7 +263,169 @@ def _stored(leaf: layout_lib.LeafLayout, x: Any) -> Any:
   return leaf.pad(x if np.dtype(x.dtype) == leaf.dtype else x.astype(leaf.dtype))
 
 
-_ARGS_DOC = """
+def zero1(
+  inner: optax.GradientTransformation,
+  *,
+  mesh: Mesh | None = None,
+  axis_name: str | tuple[str, ...] = "data",
+  replica_axis: str | tuple[str, ...] | None = None,
+  layout: Any = None,
+  min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
+  precision: precision_lib.Precision | str | None = None,
+  quantized_weights: str | None = None,
+  quantized_gradients: str | None = None,
+  quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
+  offload: str | None = None,
+  secondary_axis: str | tuple[str, ...] | None = None,
+) -> ZeroTransformation:
+  """ZeRO stage 1: shards the optimizer state over the data axis.
+
+  Parameters stay replicated. With ``zerojax.value_and_grad`` each device keeps
+  its full local gradient and reduce-scatters it once, at the end of the
+  backward pass; the optimizer updates each device's 1/N and the updated
+  parameters are all-gathered. Per device: Ψ params + Ψ grads + KΨ/N state.
+
+  Args:
+    inner: any ``optax.GradientTransformation`` (see ``zero3``).
+    mesh: as in ``zero3``.
+    axis_name: as in ``zero3``.
+    replica_axis: as in ``zero3``.
+    layout: as in ``zero3``; it splits the optimizer state (and the gradient
+      shards), the parameters staying whole.
+    min_shard_size: as in ``zero3``.
+    precision: as in ``zero3``; a lower compute dtype keeps a sharded master
+      copy in the state, so ``init`` wants the full-precision parameters.
+    quantized_weights: stage 3 only: must be ``None`` here.
+    quantized_gradients: as in ``zero3``.
+    quantization_block_size: as in ``zero3``.
+    offload: as in ``zero3``.
+    secondary_axis: stage 3 only: must be ``None`` here.
+
+  Returns:
+    A ``ZeroTransformation``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = zerojax.zero1(optax.adam(1e-3), mesh=mesh)
+    >>> params = tx.shard({"w": jnp.ones((64, 64))})
+    >>> state = tx.init(params)
+    >>> state.inner_state[0].mu["w"].sharding.spec
+    P(None, 'data')
+  """
+  return _transformation(
+    1,
+    inner,
+    mesh=mesh,
+    axis_name=axis_name,
+    replica_axis=replica_axis,
+    layout=layout,
+    min_shard_size=min_shard_size,
+    precision=precision,
+    quantized_weights=quantized_weights,
+    quantized_gradients=quantized_gradients,
+    quantization_block_size=quantization_block_size,
+    offload=offload,
+    secondary_axis=secondary_axis,
+  )
+
+
+def zero2(
+  inner: optax.GradientTransformation,
+  *,
+  mesh: Mesh | None = None,
+  axis_name: str | tuple[str, ...] = "data",
+  replica_axis: str | tuple[str, ...] | None = None,
+  layout: Any = None,
+  min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
+  precision: precision_lib.Precision | str | None = None,
+  quantized_weights: str | None = None,
+  quantized_gradients: str | None = None,
+  quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
+  offload: str | None = None,
+  secondary_axis: str | tuple[str, ...] | None = None,
+) -> ZeroTransformation:
+  """ZeRO stage 2: shards the optimizer state and the gradients.
+
+  Parameters stay replicated. With ``zerojax.value_and_grad`` each layer's
+  gradient is reduce-scattered as soon as the backward pass produces it, so no
+  full-size gradient ever exists. Per device: Ψ params + Ψ/N grads + KΨ/N state.
+
+  Args:
+    inner: any ``optax.GradientTransformation`` (see ``zero3``).
+    mesh: as in ``zero3``.
+    axis_name: as in ``zero3``.
+    replica_axis: as in ``zero3``.
+    layout: as in ``zero3``; it splits the optimizer state and the
+      gradients, the parameters staying whole.
+    min_shard_size: as in ``zero3``.
+    precision: as in ``zero3``; a lower compute dtype keeps a sharded master
+      copy in the state, so ``init`` wants the full-precision parameters.
+    quantized_weights: stage 3 only: must be ``None`` here.
+    quantized_gradients: as in ``zero3``.
+    quantization_block_size: as in ``zero3``.
+    offload: as in ``zero3``.
+    secondary_axis: stage 3 only: must be ``None`` here.
+
+  Returns:
+    A ``ZeroTransformation``.
+
+  Example:
+    The parameters stay whole; the gradients come back split:
+
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> tx = zerojax.zero2(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> params = tx.shard({"w": jnp.ones((64, 64))})
+    >>> loss_fn = lambda params, x: jnp.mean(x @ zerojax.gather(params)["w"])
+    >>> _, grads = zerojax.value_and_grad(loss_fn, tx)(params, jnp.ones((8, 64)))
+    >>> params["w"].sharding.spec, grads["w"].sharding.spec
+    (P(), P(None, 'data'))
+
+  With the optimizer state in host memory between steps:
+
+    >>> offloaded = zerojax.zero2(optax.adam(1e-3), mesh=tx.mesh, offload="optimizer")
+    >>> offloaded.init(params).inner_state[0].mu["w"].sharding.memory_kind
+    'pinned_host'
+  """
+  return _transformation(
+    2,
+    inner,
+    mesh=mesh,
+    axis_name=axis_name,
+    replica_axis=replica_axis,
+    layout=layout,
+    min_shard_size=min_shard_size,
+    precision=precision,
+    quantized_weights=quantized_weights,
+    quantized_gradients=quantized_gradients,
+    quantization_block_size=quantization_block_size,
+    offload=offload,
+    secondary_axis=secondary_axis,
+  )
+
+
+def zero3(
+  inner: optax.GradientTransformation,
+  *,
+  mesh: Mesh | None = None,
+  axis_name: str | tuple[str, ...] = "data",
+  replica_axis: str | tuple[str, ...] | None = None,
+  layout: Any = None,
+  min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
+  precision: precision_lib.Precision | str | None = None,
+  quantized_weights: str | None = None,
+  quantized_gradients: str | None = None,
+  quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
+  offload: str | None = None,
+  secondary_axis: str | tuple[str, ...] | None = None,
+) -> ZeroTransformation:
+  """ZeRO stage 3: shards the optimizer state, the gradients and the parameters.
+
+  Each device stores 1/N of every parameter; ``zerojax.gather`` assembles a
+  layer's weights right before use (all-gather), and the backward pass
+  reduce-scatters their gradients. Per device: (2 + K)Ψ/N plus one gathered
+  layer at a time.
+
   Args:
     inner: any ``optax.GradientTransformation``. It runs on global arrays, so
       anything that needs a norm or a whole matrix (``clip_by_global_norm``,
@@ -296,10 +452,10 @@ _ARGS_DOC = """
     precision: a ``zerojax.Precision`` policy (master, compute and reduce
       dtypes; loss scaling; skipping non-finite steps), or one of ``"fp32"``,
       ``"bf16"``, ``"fp16"``. By default nothing is cast and no step skipped.
-    quantized_weights: stage 3 only: ``"int8"`` (or ``"int4"``) sends each
-      weight all-gather of ``zerojax.value_and_grad`` as block-quantized
-      integers plus one float32 scale per block (ZeRO++'s qwZ), dequantized to
-      the compute dtype on arrival. Only the moved copy is quantized: stored
+    quantized_weights: ``"int8"`` (or ``"int4"``) sends each weight
+      all-gather of ``zerojax.value_and_grad`` as block-quantized integers
+      plus one float32 scale per block (ZeRO++'s qwZ), dequantized to the
+      compute dtype on arrival. Only the moved copy is quantized: stored
       parameters and optimizer state never are. ``None`` by default.
     quantized_gradients: ``"int8"`` (or ``"int4"``) turns each gradient
       reduce-scatter of ``zerojax.value_and_grad`` into an all-to-all of
@@ -316,114 +472,23 @@ _ARGS_DOC = """
       too, under a precision policy with a lower compute dtype: stages 1 and
       2 keep it apart from their compute-dtype parameters already; stage 3
       then keeps it apart as well, and stores its shards in the compute
-      dtype. Numbers do not change. Raises on a platform without
+      dtype. Numbers do not change beyond rounding (another program, which
+      XLA may fuse otherwise; docs/offload.md). Raises on a platform without
       ``pinned_host`` memory. ``None`` by default; see docs/offload.md.
-    secondary_axis: stage 3 only: ZeRO++'s hierarchical partitioning (hpZ).
-      The data axis (or tuple of adjacent axes) of ``axis_name`` whose devices
-      share a node, e.g. ``axis_name=("node", "data"), secondary_axis="data"``.
+    secondary_axis: ZeRO++'s hierarchical partitioning (hpZ): the data axis
+      (or tuple of adjacent axes) of ``axis_name`` whose devices share a
+      node, e.g. ``axis_name=("node", "data"), secondary_axis="data"``.
       Parameters are stored as without it, split over all of ``axis_name``;
       each weight all-gather of ``zerojax.value_and_grad`` becomes one over
-      the other data axes (across nodes) that leaves each device its
-      secondary partition, 1/(devices per node) of the layer, followed by one
-      over ``secondary_axis`` (inside the node). The forward pass keeps the
+      the other data axes (across nodes), which leaves each device its
+      secondary partition (1/(devices per node) of the layer), then one over
+      ``secondary_axis`` (inside the node). The forward pass keeps the
       secondary partitions, and the backward pass gathers from them, inside
-      the node. Numbers do not change; the gradients' reduce-scatter still
+      the node. Numbers do not change: the gradients' reduce-scatter still
       spans all the data axes. ``None`` by default; see docs/compression.md.
-
 
   Returns:
     A ``ZeroTransformation``.
-"""
-
-
-#: The keyword arguments of ``zero1/2/3``, which they pass on to ``settings.resolve`` as given.
-_OPTIONS = frozenset(inspect.signature(settings_lib.resolve).parameters) - {"stage", "inner"}
-
-
-def _stage(stage: int, summary: str):
-  """The public factory ``zero{stage}``, with ``summary`` and the shared argument docs."""
-
-  def factory(
-    inner: optax.GradientTransformation,
-    *,
-    mesh: Mesh | None = None,
-    axis_name: str | tuple[str, ...] = "data",
-    replica_axis: str | tuple[str, ...] | None = None,
-    layout: Any = None,
-    min_shard_size: int = layout_lib.DEFAULT_MIN_SHARD_SIZE,
-    precision: precision_lib.Precision | str | None = None,
-    quantized_weights: str | None = None,
-    quantized_gradients: str | None = None,
-    quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
-    offload: str | None = None,
-    secondary_axis: str | tuple[str, ...] | None = None,
-  ) -> ZeroTransformation:
-    if isinstance(inner, ZeroTransformation):
-      raise ValueError(
-        f"zero{stage} was given a zerojax transformation (zero{inner.stage}) to wrap: wrap "
-        f"the optax optimizer once, e.g. zerojax.zero{stage}(optax.adamw(1e-3), mesh=mesh)."
-      )
-    options = {name: value for name, value in locals().items() if name in _OPTIONS}
-    return ZeroTransformation.of(ShardedOptimizer(settings_lib.resolve(stage, inner, **options)))
-
-  factory.__name__ = factory.__qualname__ = f"zero{stage}"
-  factory.__doc__ = summary + _ARGS_DOC
-  return factory
-
-
-zero1 = _stage(
-  1,
-  """ZeRO stage 1: shards the optimizer state over the data axis.
-
-  Parameters stay replicated. With ``zerojax.value_and_grad`` each device keeps
-  its full local gradient and reduce-scatters it once, at the end of the
-  backward pass; the optimizer updates each device's 1/N and the updated
-  parameters are all-gathered. Per device: Ψ params + Ψ grads + KΨ/N state.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, zerojax
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    >>> tx = zerojax.zero1(optax.adam(1e-3), mesh=mesh)
-    >>> params = tx.shard({"w": jnp.ones((64, 64))})
-    >>> state = tx.init(params)
-    >>> state.inner_state[0].mu["w"].sharding.spec
-    P(None, 'data')
-""",
-)
-zero2 = _stage(
-  2,
-  """ZeRO stage 2: shards the optimizer state and the gradients.
-
-  Parameters stay replicated. With ``zerojax.value_and_grad`` each layer's
-  gradient is reduce-scattered as soon as the backward pass produces it, so no
-  full-size gradient ever exists. Per device: Ψ params + Ψ/N grads + KΨ/N state.
-
-  Example:
-    The parameters stay whole; the gradients come back split:
-
-    >>> import jax, jax.numpy as jnp, optax, zerojax
-    >>> tx = zerojax.zero2(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
-    >>> params = tx.shard({"w": jnp.ones((64, 64))})
-    >>> loss_fn = lambda params, x: jnp.mean(x @ zerojax.gather(params)["w"])
-    >>> _, grads = zerojax.value_and_grad(loss_fn, tx)(params, jnp.ones((8, 64)))
-    >>> params["w"].sharding.spec, grads["w"].sharding.spec
-    (P(), P(None, 'data'))
-
-  With the optimizer state in host memory between steps:
-
-    >>> offloaded = zerojax.zero2(optax.adam(1e-3), mesh=tx.mesh, offload="optimizer")
-    >>> offloaded.init(params).inner_state[0].mu["w"].sharding.memory_kind
-    'pinned_host'
-""",
-)
-zero3 = _stage(
-  3,
-  """ZeRO stage 3: shards the optimizer state, the gradients and the parameters.
-
-  Each device stores 1/N of every parameter; ``zerojax.gather`` assembles a
-  layer's weights right before use (all-gather), and the backward pass
-  reduce-scatters their gradients. Per device: (2 + K)Ψ/N plus one gathered
-  layer at a time.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zerojax
@@ -432,5 +497,32 @@ zero3 = _stage(
     >>> params = tx.shard({"w": jnp.ones((64, 64))})
     >>> params["w"].sharding.spec
     P(None, 'data')
-""",
-)
+  """
+  return _transformation(
+    3,
+    inner,
+    mesh=mesh,
+    axis_name=axis_name,
+    replica_axis=replica_axis,
+    layout=layout,
+    min_shard_size=min_shard_size,
+    precision=precision,
+    quantized_weights=quantized_weights,
+    quantized_gradients=quantized_gradients,
+    quantization_block_size=quantization_block_size,
+    offload=offload,
+    secondary_axis=secondary_axis,
+  )
+
+
+def _transformation(
+  stage: int, inner: optax.GradientTransformation, **options: Any
+) -> ZeroTransformation:
+  """The transformation of ``zero{stage}``: its options checked and resolved once."""
+  if isinstance(inner, ZeroTransformation):
+    raise ValueError(
+      f"zero{stage} was given a zerojax transformation (zero{inner.stage}) to wrap: wrap "
+      f"the optax optimizer once, e.g. zerojax.zero{stage}(optax.adamw(1e-3), mesh=mesh)."
+    )
+  optimizer = ShardedOptimizer(settings_lib.resolve(stage, inner, **options))
+  return ZeroTransformation(optimizer.init, optimizer.update)  # pyright: ignore[reportArgumentType]

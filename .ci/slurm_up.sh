@@ -11,11 +11,11 @@ set -euo pipefail
 
 DIR=${ZEROJAX_SLURM_DIR:-/tmp/zerojax-slurm}
 CONF=/etc/slurm/slurm.conf
-MARK="# written by zerojax ci/slurm_up.sh"
+MARK="# written by zerojax .ci/slurm_up.sh"
 HOST=$(hostname)
 
 fail() {
-  echo "ci/slurm_up.sh: $*" >&2
+  echo ".ci/slurm_up.sh: $*" >&2
   exit 1
 }
 
@@ -26,7 +26,7 @@ if ! command -v slurmctld > /dev/null || ! command -v munged > /dev/null; then
   command -v apt-get > /dev/null || fail "SLURM is not installed and there is no apt-get to
   install Debian's slurm-wlm and munge: install SLURM (slurmctld, slurmd, srun, sbatch) and
   munge yourself, then run this again."
-  echo "ci/slurm_up.sh: installing slurm-wlm and munge"
+  echo ".ci/slurm_up.sh: installing slurm-wlm and munge"
   export DEBIAN_FRONTEND=noninteractive
   mkdir -p "$DIR"
   if ! { apt-get update -q && apt-get install -y -q slurm-wlm munge; } > "$DIR/apt.log" 2>&1; then
@@ -35,7 +35,8 @@ if ! command -v slurmctld > /dev/null || ! command -v munged > /dev/null; then
   fi
 fi
 
-if [ -e "$CONF" ] && ! grep -qF "$MARK" "$CONF"; then
+# (Before .ci/ held it, this script lived in ci/: a configuration it wrote there is its own too.)
+if [ -e "$CONF" ] && ! grep -qF "# written by zerojax " "$CONF"; then
   fail "$CONF exists and was not written by this script: this machine has its own SLURM
   configuration, which this script leaves alone. Use that cluster, or move $CONF away."
 fi
@@ -97,7 +98,7 @@ running "$DIR/slurmd.pid" || slurmd
 for _ in $(seq 120); do
   state=$(sinfo --noheader --nodes="$HOST" --format=%T 2> /dev/null || true)
   if [ "$state" = idle ] || [ "$state" = mixed ] || [ "$state" = allocated ]; then
-    echo "ci/slurm_up.sh: node $HOST is $state: $(sinfo --noheader --format='%P %D %c %T')"
+    echo ".ci/slurm_up.sh: node $HOST is $state: $(sinfo --noheader --format='%P %D %c %T')"
     exit 0
   fi
   # A node left down or drained by an earlier run (a daemon killed with the machine) comes back.

@@ -1,0 +1,102 @@
+"""What the test files share: the stages, exact comparisons, checkpoints' padding, worker runs.
+
+Test files import from here (and from the models in ``tests/models.py`` and
+``tests/multi_axis_model.py``), never from each other.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import chex
+import jax
+import numpy as np
+
+import zerojax
+from tests import environment
+
+#: zerojax's stages by number.
+STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
+
+#: How close two programs that compute the same numbers in another order agree after a few
+#: steps: 8 devices against plain optax on one, prefetching against not, offloading against
+#: not. Their sums meet their terms in another order, or fuse and round another way.
+ROUNDING = {"rtol": 2e-5, "atol": 2e-6}
+#: The same, for programs whose forward and backward passes compute in bf16 or fp16: their
+#: difference starts from a rounding of the compute dtype (2**-8 or 2**-11 relative), not fp32's.
+LOW_PRECISION_ROUNDING = {"rtol": 2e-3, "atol": 2e-4}
+
+
+def rounding(precision: Any) -> dict[str, float]:
+  """``ROUNDING``, or ``LOW_PRECISION_ROUNDING`` under a bf16 or fp16 precision policy."""
+  policy = zerojax.Precision.named(precision) if isinstance(precision, str) else precision
+  fp32 = policy is None or np.dtype(policy.compute_dtype(np.float32)) == np.float32
+  return ROUNDING if fp32 else LOW_PRECISION_ROUNDING
+
+
+#: fp16 compute with fp32 master weights and reductions, and a dynamic loss scale small enough
+#: that the clean steps of the test models do not overflow in fp16.
+FP16 = zerojax.Precision(
+  params="fp32",
+  compute="fp16",
+  reduce="fp32",
+  loss_scale=zerojax.DynamicLossScale(initial=2.0**10, growth_interval=2),
+)
+
+#: Trains a fast model in its own process, saving checkpoints (``tests/checkpoint_worker.py``).
+CHECKPOINT_WORKER = Path(__file__).with_name("checkpoint_worker.py")
+CHECKPOINT_WORKER_STEPS = 6
+
+
+def as_bits(tree: Any) -> list[np.ndarray]:
+  """Every leaf's bits, as unsigned integers of its width.
+
+  ``chex.assert_trees_all_equal(as_bits(a), as_bits(b))`` says ``a`` and ``b``
+  are the same bit for bit: -0.0 is not 0.0, and a NaN is its own payload.
+  """
+  return [np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}") for x in jax.tree.leaves(tree)]
+
+
+def unpadded(tree: Any, logical: Any) -> Any:
+  """Every leaf on the host, cut to ``logical``'s shapes; checks what is cut off is zeros."""
+
+  def unpad(x, logical):
+    x = np.asarray(x)
+    inside = tuple(slice(0, n) for n in logical.shape)
+    padding = x.copy()
+    padding[inside] = 0
+    assert not padding.any(), "padding must stay zeros"
+    return x[inside]
+
+  return jax.tree.map(unpad, tree, logical)
+
+
+def assert_placed(state: Any, spec: zerojax.StateSpec) -> None:
+  """``state`` has the stored shapes, dtypes and shardings (memory kinds too) of ``spec``."""
+  chex.assert_trees_all_equal_shapes_and_dtypes(state, spec.stored)
+  for x, stored in zip(jax.tree.leaves(state), jax.tree.leaves(spec.stored), strict=True):
+    assert x.sharding.is_equivalent_to(stored.sharding, x.ndim), (x.sharding, stored.sharding)
+
+
+def run_checkpoint_worker(
+  directory: Path, fault: str, max_restarts: int
+) -> subprocess.CompletedProcess:
+  """``CHECKPOINT_WORKER`` under ``python -m zerojax.launch``, with ``fault`` injected."""
+  return subprocess.run(
+    [
+      *(sys.executable, "-m", "zerojax.launch", "-n", "1", "--max-restarts", str(max_restarts)),
+      *("--timeout", "200", str(CHECKPOINT_WORKER), "train", str(directory)),
+      str(CHECKPOINT_WORKER_STEPS),
+    ],
+    cwd=environment.ROOT,
+    env=environment.subprocess_env(CHECKPOINT_WORKER_FAULT=fault),
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
+
+
+def final_params(directory: Path) -> dict[str, np.ndarray]:
+  """The parameters ``CHECKPOINT_WORKER`` saved at its last step, by name."""
+  return dict(np.load(directory / "final.npz"))

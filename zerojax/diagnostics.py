@@ -1,0 +1,39 @@
+"""Reading compiled steps: their memory, their collectives, and what compute waits on them.
+
+``profile`` compiles a step and reports its per-device memory and collective
+bytes; ``count_collectives`` and ``count_collectives_by_axes`` read those
+bytes from any compiled program's HLO; ``loop_collectives`` says, for each
+loop of a compiled program (a layer scan), which of its collectives the
+compute inside waits on and which run asynchronously under compute.
+
+Compiling for GPUs and TPUs this machine does not have: start a process with
+``deviceless_environment(target)`` (``"h100x8"``, ``"v5e-8"``, ``"v5e-64"``),
+build the mesh with ``deviceless_mesh``, lower with abstract arrays and
+compile; on GPU, ``scheduler_estimate`` reads XLA's own estimate of the step
+from the log ``capture_stderr`` collected meanwhile. See docs/accounting.md
+and docs/performance.md.
+"""
+
+from zerojax._src.deviceless import capture_stderr
+from zerojax._src.deviceless import environment as deviceless_environment
+from zerojax._src.deviceless import mesh as deviceless_mesh
+from zerojax._src.hlo import Collective, count_collectives, count_collectives_by_axes
+from zerojax._src.overlap import LoopCollectives, loop_collectives
+from zerojax._src.profile import StepProfile, profile
+from zerojax._src.schedule import ComputationEstimate, StepEstimate, scheduler_estimate
+
+__all__ = (
+  "Collective",
+  "ComputationEstimate",
+  "LoopCollectives",
+  "StepEstimate",
+  "StepProfile",
+  "capture_stderr",
+  "count_collectives",
+  "count_collectives_by_axes",
+  "deviceless_environment",
+  "deviceless_mesh",
+  "loop_collectives",
+  "profile",
+  "scheduler_estimate",
+)
