@@ -23,7 +23,8 @@ class MemoryEstimate(NamedTuple):
   """Bytes per device of the model states (activations and temporaries not included).
 
   The first four fields count device memory; ``host`` counts what ``offload``
-  keeps in host memory for the device (a host of 8 devices holds 8 times that).
+  keeps in host memory for the device (a host of 8 devices holds 8 times that),
+  and ``secondary`` what hpZ holds during a step.
 
   Attributes:
     params: parameters.
@@ -33,12 +34,16 @@ class MemoryEstimate(NamedTuple):
     total: the sum of the three: the device memory the model states take.
     host: optimizer state (and master weights) offloaded to host memory; 0
       without ``offload``.
+    secondary: hpZ's secondary partitions, in device memory from each
+      layer's forward gather to its backward gather (a temporary of the step,
+      as activations are, so not in ``total``): every layer's 1/(devices per
+      node), in the compute dtype; 0 without hpZ.
 
   Example:
     >>> import zerojax
     >>> estimate = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3)
     >>> [round(gigabytes / 1e9, 2) for gigabytes in estimate]
-    [0.23, 0.23, 1.41, 1.88, 0.0]
+    [0.23, 0.23, 1.41, 1.88, 0.0, 0.0]
     >>> offloaded = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3, offload="optimizer")
     >>> round(offloaded.total / 1e9, 2), round(offloaded.host / 1e9, 2)
     (0.94, 0.94)
@@ -49,6 +54,7 @@ class MemoryEstimate(NamedTuple):
   optimizer_state: float
   total: float
   host: float = 0.0
+  secondary: float = 0.0
 
 
 def _check(
@@ -75,13 +81,36 @@ def _check(
   return stages.of(stage)
 
 
+def _nodes(num_devices: int, stage: int, secondary_devices: int | None) -> int:
+  """hpZ's number of nodes (groups of ``secondary_devices``); 1 without hpZ.
+
+  Raises:
+    ValueError: for hpZ at a stage other than 3, or a group size that does not
+      split the data axes into two or more groups.
+  """
+  if secondary_devices is None:
+    return 1
+  if stage != 3:
+    raise ValueError(
+      f"secondary_devices (hpZ) is stage 3's secondary copy of the gathered weights; stage "
+      f"{stage} gathers none. Pass stage=3, or drop secondary_devices."
+    )
+  if secondary_devices < 1 or num_devices % secondary_devices or num_devices == secondary_devices:
+    raise ValueError(
+      f"secondary_devices={secondary_devices} must divide num_devices={num_devices} (the data "
+      "axes) into two or more nodes: it is the size of the intra-node data axes, e.g. "
+      "num_devices=64, secondary_devices=8 for 8 nodes of 8."
+    )
+  return num_devices // secondary_devices
+
+
 def _share(splits: bool, whole: float, split: float, num_devices: int) -> float:
   """Bytes per device: ``split / N`` if the stage splits this model state, else ``whole``."""
   return split / num_devices if splits else float(whole)
 
 
-def _estimate(params, grads, state, host=0.0) -> MemoryEstimate:
-  return MemoryEstimate(params, grads, state, params + grads + state, host)
+def _estimate(params, grads, state, host=0.0, secondary=0.0) -> MemoryEstimate:
+  return MemoryEstimate(params, grads, state, params + grads + state, host, secondary)
 
 
 def estimate_memory(
@@ -96,6 +125,7 @@ def estimate_memory(
   state_bytes: float = 12,
   master_bytes: float = 4,
   offload: str | None = None,
+  secondary_devices: int | None = None,
 ) -> MemoryEstimate:
   """Per-device bytes of parameters, gradients and optimizer state at a ZeRO stage.
 
@@ -118,6 +148,11 @@ def estimate_memory(
   stay replicated over it, such as norms, cost more). The job then has
   ``replicas * num_devices * tensor_parallel`` devices.
 
+  With ``secondary_devices`` (stage 3's hpZ, ``zerojax.zero3(...,
+  secondary_axis=...)``, whose intra-node data axes have that size), the
+  model states are those of stage 3, and ``secondary`` counts the secondary
+  partitions a step holds: Ψ x ``param_bytes`` / ``secondary_devices``.
+
   Args:
     num_params: Ψ, the number of parameters.
     num_devices: N, the size of the data-parallel axes.
@@ -129,14 +164,17 @@ def estimate_memory(
     state_bytes: K, optimizer-state bytes per parameter.
     master_bytes: bytes per parameter of the master weights.
     offload: ``None``, ``"optimizer"`` or ``"optimizer+master"``.
+    secondary_devices: stage 3's hpZ: the size of the intra-node data axes
+      (devices per node), or ``None``.
 
   Returns:
     A ``MemoryEstimate`` in bytes.
 
   Raises:
     ValueError: for a stage or count out of range, an unknown ``offload``,
-      offload at stage 0, or ``"optimizer+master"`` without separate master
-      weights.
+      offload at stage 0, ``"optimizer+master"`` without separate master
+      weights, or ``secondary_devices`` at another stage or not dividing
+      ``num_devices`` into nodes.
 
   Example (the ZeRO paper's Table I, Ψ = 7.5B, N = 64):
     >>> import zerojax
@@ -158,8 +196,15 @@ def estimate_memory(
     ...   offload="optimizer")
     >>> estimate.params / 1e9, estimate.optimizer_state / 1e9, estimate.host / 1e9
     (28.0, 0.0, 7.0)
+
+  With hpZ on 8 nodes of 8 devices, each device also holds 1/8 of the bf16 weights during a step:
+
+    >>> hpz = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3, secondary_devices=8)
+    >>> round(hpz.total / 1e9, 2), round(hpz.secondary / 1e9, 2)
+    (1.88, 1.88)
   """
   stage_ = _check(num_devices, stage, replicas, tensor_parallel, offload)
+  nodes = _nodes(num_devices, stage, secondary_devices)
   num_params = num_params / tensor_parallel
   share = lambda splits, size: _share(splits, size, size, num_devices)
   master = master_bytes if param_bytes < master_bytes else 0
@@ -171,6 +216,7 @@ def estimate_memory(
     share(stage_.splits_grads, num_params * grad_bytes),
     share(stage_.splits_state, num_params * (state_bytes - host_bytes)),
     share(stage_.splits_state, num_params * host_bytes),
+    num_params * param_bytes * nodes / num_devices if nodes > 1 else 0.0,
   )
 
 
@@ -291,20 +337,26 @@ class CommunicationEstimate(NamedTuple):
     replica_reductions: hybrid sharding's all-reduce of the gradient shard
       across replicas.
     total: the sum.
+    secondary_gathers: hpZ: the all-gathers inside the node, over the
+      secondary axes, of the secondary partitions into whole weights (forward,
+      and backward under remat); ``weight_gathers`` then holds only the
+      all-gathers across nodes, which leave each device its secondary
+      partition. 0 without hpZ.
 
   Example:
     Stage 1 gathers the updated bf16 parameters as often as it reduces bf16 gradients:
 
     >>> import zerojax
     >>> estimate = zerojax.estimate_communication(7.5e9, num_devices=64, stage=1)
-    >>> {name: gigabytes / 1e9 for name, gigabytes in estimate._asdict().items()}
-    {'weight_gathers': 15.0, 'gradient_reductions': 15.0, 'replica_reductions': 0.0, 'total': 30.0}
+    >>> {name: gigabytes / 1e9 for name, gigabytes in estimate._asdict().items() if gigabytes}
+    {'weight_gathers': 15.0, 'gradient_reductions': 15.0, 'total': 30.0}
   """
 
   weight_gathers: float
   gradient_reductions: float
   replica_reductions: float
   total: float
+  secondary_gathers: float = 0.0
 
 
 def estimate_communication(
@@ -319,6 +371,7 @@ def estimate_communication(
   param_bytes: float = 2,
   grad_bytes: float = 2,
   regather: bool = True,
+  secondary_devices: int | None = None,
 ) -> CommunicationEstimate:
   """Bytes per device per step that ``zerojax.value_and_grad`` and ``tx.update`` move.
 
@@ -336,7 +389,19 @@ def estimate_communication(
   * with ``replicas`` above 1 (hybrid sharding), stages 1 to 3 also
     all-reduce the shard across replicas: Ψ / N x ``grad_bytes``; with
     ``quantized_gradients``, a quantized all-to-all and all-gather of the
-    shard instead, twice ``moved_bytes(Ψ / N)``.
+    shard instead, twice ``moved_bytes(Ψ / N)``;
+  * stage 3 with hpZ (``secondary_devices`` = D, the size of the intra-node
+    data axes): the weight all-gathers cross nodes once, in the forward pass,
+    and each leaves a device its secondary partition, Ψ / D x ``param_bytes``
+    (quantized, ``moved_bytes(Ψ / D)``): that is ``weight_gathers``. Inside
+    the node (``secondary_gathers``) the secondary partitions are gathered
+    into whole weights once per pass, Ψ x ``param_bytes`` each, never
+    quantized. The gradients' reduce-scatter is stage 3's.
+
+  ``count_collectives_by_axes`` splits a compiled step the same way: under
+  hpZ on a ``("node", "data")`` mesh, ``weight_gathers`` are its all-gathers
+  over ``("node",)``, ``secondary_gathers`` those over ``("data",)``, and
+  ``gradient_reductions`` what spans ``("node", "data")``.
 
   Quantized, a collective moves ``Quantization.moved_bytes(Ψ)``: Ψ x bits / 8
   of codes and 4 bytes of scale per block (the padding of a last partial
@@ -355,6 +420,8 @@ def estimate_communication(
     grad_bytes: bytes per gradient element as reduced (the reduce dtype's).
     regather: stage 3: whether the backward pass gathers the weights again
       (remat with ``zerojax.remat_policy``).
+    secondary_devices: stage 3's hpZ: the size of the intra-node data axes
+      (devices per node), or ``None``.
 
   Returns:
     A ``CommunicationEstimate`` in bytes.
@@ -373,8 +440,15 @@ def estimate_communication(
     >>> hybrid = zerojax.estimate_communication(7.5e9, num_devices=64, replicas=4, stage=3)
     >>> hybrid.replica_reductions
     234375000.0
+
+  With hpZ on 8 nodes of 8 devices, the weights cross nodes once per step, 1/8 of them each time:
+
+    >>> hpz = zerojax.estimate_communication(7.5e9, num_devices=64, stage=3, secondary_devices=8)
+    >>> [round(gigabytes / 1e9, 2) for gigabytes in hpz]
+    [1.88, 15.0, 0.0, 46.88, 30.0]
   """
   stage_ = _check(num_devices, stage, replicas)
+  nodes = _nodes(num_devices, stage, secondary_devices)
   weights = quantize.resolve("quantized_weights", quantized_weights, quantization_block_size)
   gradients = quantize.resolve("quantized_gradients", quantized_gradients, quantization_block_size)
   quantize.check_stage(stage, quantized_weights)
@@ -403,8 +477,17 @@ def estimate_communication(
     across = shard * grad_bytes
   else:
     across = 2 * gradients.moved_bytes(shard)  # pyright: ignore[reportArgumentType] (Ψ/N)
-  return _communication(passes * moved(weights, param_bytes), moved(gradients, grad_bytes), across)
+  if nodes == 1:
+    weight_gathers, inside = passes * moved(weights, param_bytes), 0.0
+  else:
+    secondary = num_params * nodes / num_devices
+    weight_gathers = (
+      secondary * param_bytes if weights is None else weights.moved_bytes(secondary)  # pyright: ignore[reportArgumentType] (Ψ/D)
+    )
+    inside = passes * num_params * param_bytes
+  return _communication(weight_gathers, moved(gradients, grad_bytes), across, inside)
 
 
-def _communication(weights, gradients, replicas) -> CommunicationEstimate:
-  return CommunicationEstimate(weights, gradients, replicas, weights + gradients + replicas)
+def _communication(weights, gradients, replicas, secondary=0.0) -> CommunicationEstimate:
+  total = weights + gradients + replicas + secondary
+  return CommunicationEstimate(weights, gradients, replicas, total, secondary)
