@@ -1,26 +1,29 @@
 """hpZ, ZeRO++'s hierarchical partitioning: a second copy of each layer, inside a node.
 
-With ``secondary_axis`` stage 3 stores every parameter as it does without it,
-split over all the data axes (the primary partition), and opens a layer in two
-steps:
+With ``secondary_axis`` stage 3 stores every parameter split over all the data
+axes (the primary partition), as without it, and opens a layer in two steps:
 
-1. an all-gather over the data axes that are *not* secondary (across nodes):
-   each device then holds its secondary partition, this device's
-   1/(devices per node) of the layer, in the compute dtype;
+1. an all-gather over the data axes that are *not* secondary (across nodes),
+   which leaves each device its secondary partition: 1/(devices per node) of
+   the layer, in the compute dtype;
 2. an all-gather of the secondary partitions over the secondary axes (inside
    the node): the whole layer.
 
-The forward pass keeps the secondary partition; the backward pass gathers the
-layer again from it, with step 2 only, so it never crosses a node. The gradient
-is reduce-scattered over all the data axes at once, exactly as without hpZ, so
-the numbers are those of plain stage 3: every weight arrives bit for bit as it
-would, and the same reduction makes the gradient.
+The forward pass keeps the secondary partitions, and the backward pass
+gathers the layer again from them with step 2 alone, so it never crosses a
+node. The gradient is reduce-scattered over all the data axes at once, as
+without hpZ: every weight arrives exactly as it would, and the same sum makes
+the gradient, so the numbers are plain stage 3's (to the rounding of two
+programs that XLA compiles apart).
 
-On a ``("node", "data")`` mesh with ``secondary_axis="data"``, device
-``(n, d)`` stores block ``4n + d`` of 8 (for 4 devices a node); step 1 gathers
-blocks ``d`` and ``4 + d`` (both nodes' block ``d``), and step 2 gathers those
-pairs from the node's 4 devices into the order ``0, 1, ..., 7``: the gathered
-dimension is inserted between the pair's two blocks, so nothing is reordered.
+The data axes are ordered with the secondary ones first in the parameters'
+``PartitionSpec`` (``Settings.data_axes``): on a ``("node", "data")`` mesh,
+with ``axis_name=("node", "data"), secondary_axis="data"`` and 4 devices a
+node, a parameter is split as ``P(("data", "node"))``, so device ``(n, d)``
+stores block ``2d + n`` of 8. Step 1 gathers blocks ``2d`` and ``2d + 1``,
+one contiguous quarter of the layer, and step 2 lays the node's quarters side
+by side: no gathered layer is reordered (with the node axis first, XLA:GPU
+transposes every layer the intra-node step gathers; docs/compression.md).
 
 What is saved for the backward pass is the remat policy's choice: the
 secondary partitions carry the ``jax.ad_checkpoint.checkpoint_name``
@@ -32,7 +35,6 @@ step 2 alone.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +55,7 @@ def resolve(stage: int, axis_name: Any, secondary_axis: Any, mesh: Any) -> tuple
 
   Raises:
     ValueError: if hpZ is asked of a stage other than 3, or ``secondary_axis``
-      is not a proper, contiguous part of ``axis_name``.
+      is not a proper part of ``axis_name``.
   """
   if secondary_axis is None:
     return ()
@@ -86,15 +88,17 @@ def resolve(stage: int, axis_name: Any, secondary_axis: Any, mesh: Any) -> tuple
       f"parameters' own split, and no gather would stay inside a node. Name the intra-node axes "
       f"only ({example}), or drop secondary_axis."
     )
-  ordered = tuple(name for name in data if name in secondary)
-  start = data.index(ordered[0])
-  if data[start : start + len(ordered)] != ordered:
-    raise ValueError(
-      f"secondary_axis={secondary_axis!r} must be adjacent in axis_name {data}: a node's "
-      "devices hold consecutive blocks of each parameter. Reorder axis_name (and the mesh) "
-      "so that they are."
-    )
-  return ordered
+  return tuple(name for name in data if name in secondary)
+
+
+def ordered(data_axes: tuple[str, ...], secondary_axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The data axes in the order that splits a parameter: the secondary ones first.
+
+  Example:
+    >>> ordered(("node", "data"), ("data",)), ordered(("node", "data"), ())
+    (('data', 'node'), ('node', 'data'))
+  """
+  return secondary_axes + cross_axes(data_axes, secondary_axes)
 
 
 def cross_axes(data_axes: tuple[str, ...], secondary_axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -121,32 +125,20 @@ def secondaries(group: comm.Group, values: Sequence[jax.Array]) -> list[jax.Arra
 def fulls(group: comm.Group, kept: Sequence[jax.Array]) -> list[jax.Array]:
   """Step 2: the full weights from the secondary partitions, gathered inside the node.
 
-  The secondary partition of a shard ``s`` long on its sharded dimension is
-  ``(c_1, ..., c_m, s)`` blocks long there, one per coordinate of the cross
-  axes that precede the secondary ones in the data axes and of those that
-  follow them; the node's partitions are gathered into a new dimension right
-  after the preceding ones, which lays the blocks out in the data axes' order.
-  Padding sliced off; no derivative rule.
+  The group's data axes start with its secondary axes (``ordered``), so the
+  node's secondary partitions, laid side by side, are the (padded) layer.
+  Narrow dtypes move as their bits (``comm.as_bits``). Padding sliced off; no
+  derivative rule.
   """
   from zerojax._src import comm
 
-  data = layout_lib.axes(group.axis_name)
-  before = data[: data.index(group.secondary_axes[0])]
-  after = cross_axes(data, group.secondary_axes)[len(before) :]
-  sizes = lambda names: [jax.lax.axis_size(name) for name in names]
+  secondary = layout_lib.entry(group.secondary_axes)
   result = []
-  for transfer, secondary in zip(group.transfers, kept, strict=True):
-    axis, shape = transfer.axis, list(secondary.shape)
-    block = shape[axis] // math.prod(sizes(before + after))
-    split = shape[:axis] + sizes(before) + sizes(after) + [block] + shape[axis + 1 :]
-    blocks = comm.as_bits(secondary) if secondary.dtype.itemsize < 4 else secondary
-    gathered = jax.lax.all_gather(
-      blocks.reshape(split), layout_lib.entry(group.secondary_axes), axis=axis + len(before)
-    )
-    full = gathered.reshape(*shape[:axis], -1, *shape[axis + 1 :])
-    if full.dtype != secondary.dtype:
-      full = comm.from_bits(full, secondary.dtype)
-    result.append(jax.lax.slice_in_dim(full, 0, transfer.size, axis=axis))
+  for transfer, value in zip(group.transfers, kept, strict=True):
+    bits = comm.as_bits(value) if value.dtype.itemsize < 4 else value
+    full = jax.lax.all_gather(bits, secondary, axis=transfer.axis, tiled=True)
+    full = comm.from_bits(full, value.dtype) if full.dtype != value.dtype else full
+    result.append(jax.lax.slice_in_dim(full, 0, transfer.size, axis=transfer.axis))
   return result
 
 

@@ -59,7 +59,12 @@ class Settings:
 
   @property
   def data_axes(self) -> tuple[str, ...]:
-    return layout_lib.axes(self.axis_name)
+    """The axes the parameters are split over jointly, in their order in a spec's entry.
+
+    ``axis_name``'s order, but under hpZ the secondary axes come first (see
+    ``hpz.py``): each device's secondary partition is then a contiguous block.
+    """
+    return hpz.ordered(layout_lib.axes(self.axis_name), self.secondary_axes)
 
   @property
   def replica_axes(self) -> tuple[str, ...]:
@@ -67,13 +72,14 @@ class Settings:
 
   @property
   def secondary_axes(self) -> tuple[str, ...]:
-    """hpZ's secondary axes in the data axes' order; ``()`` without hpZ."""
+    """hpZ's secondary axes in ``axis_name``'s order; ``()`` without hpZ."""
     named = layout_lib.axes(self.secondary_axis or ())
-    return tuple(name for name in self.data_axes if name in named)
+    return tuple(name for name in layout_lib.axes(self.axis_name) if name in named)
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
-    return self.replica_axes + self.data_axes
+    """The replica axes, then ``axis_name``'s, as given (the batch is split in that order)."""
+    return self.replica_axes + layout_lib.axes(self.axis_name)
 
   @property
   def num_shards(self) -> int:
