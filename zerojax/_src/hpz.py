@@ -74,13 +74,15 @@ def resolve(stage: int, axis_name: Any, secondary_axis: Any, mesh: Any) -> tuple
     )
   outside = [name for name in secondary if name not in data]
   if outside:
-    where = (
-      "a mesh axis" if outside[0] in mesh.axis_names else f"an axis of the mesh {mesh.axis_names}"
+    name = outside[0]
+    what = (
+      f"which is not one of axis_name {data}, the axes the parameters are split over"
+      if name in mesh.axis_names
+      else f"which the mesh does not have (its axes are {mesh.axis_names})"
     )
     raise ValueError(
-      f"secondary_axis={secondary_axis!r} names {outside[0]!r}, which is not one of axis_name "
-      f"{data} (it is not {where} that the parameters are split over): the secondary copy is "
-      f"split over the intra-node axes among the data axes, e.g. {example}."
+      f"secondary_axis={secondary_axis!r} names {name!r}, {what}: the secondary copy is split "
+      f"over the intra-node axes among the data axes, e.g. {example}."
     )
   if len(secondary) == len(data):
     raise ValueError(
