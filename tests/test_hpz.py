@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 from tests import models, multi_axis_model
 from tests.helpers import STAGES, rounding
+from zerojax import estimate as estimate_cli
 
 AXES = ("node", "data")
 STEPS = 2
@@ -283,3 +284,21 @@ def test_bad_secondary_axes_are_refused_with_the_fix(options, message):
   options.setdefault("axis_name", AXES)
   with pytest.raises(ValueError, match=re.escape(message)):
     STAGES[stage](optax.adam(1e-2), mesh=mesh, **options)
+
+
+def test_the_estimator_refuses_hpz_where_it_cannot_be():
+  with pytest.raises(ValueError, match="stage 2 gathers none"):
+    zerojax.estimate_memory(1e9, num_devices=8, stage=2, secondary_devices=4)
+  for devices in (3, 8, 0):  # not dividing the data axes, or into one node
+    with pytest.raises(ValueError, match=f"secondary_devices={devices} must divide num_devices"):
+      zerojax.estimate_communication(1e9, num_devices=8, stage=3, secondary_devices=devices)
+
+
+def test_the_command_line_compares_zero3_with_and_without_hpz():
+  text = estimate_cli.main(["--params", "7.5e9", "--devices", "8", "64", "--secondary", "8"])
+  table = text.split("zero3 with hpZ, 8 devices per node")[1].splitlines()
+  rows = {line.split()[0]: line.split()[1:] for line in table if line.strip()[:1].isdigit()}
+  # 8 devices are one node: no hpZ. On 64, the secondary partitions (Ψ x 2 B / 8) double
+  # what a device holds, and only the forward pass's gather of them and the gradients cross.
+  assert rows["8"] == ["-"] * 5
+  assert rows["64"] == ["1.88", "1.88", "45.00", "16.88", "30.00"]
