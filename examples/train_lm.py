@@ -25,6 +25,7 @@ On CPU the script asks JAX for ``--devices`` CPU devices (8 by default,
   python examples/train_lm.py --model medium --devices 8      # on 8 accelerators
   python examples/train_lm.py --mesh replica=2,data=4         # hybrid sharding (HSDP)
   python examples/train_lm.py --mesh data=4,model=2           # with tensor parallelism
+  python examples/train_lm.py --mesh node=2,data=4 --secondary-axis data  # ZeRO++'s hpZ
   python examples/train_lm.py --quantized-weights int8 --quantized-gradients int8  # ZeRO++
   python examples/train_lm.py --checkpoint-dir ckpt --resume  # save every 100 steps; resume
   python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py  # 2 processes
@@ -35,13 +36,16 @@ On CPU the script asks JAX for ``--devices`` CPU devices (8 by default,
   sbatch examples/slurm/train.sbatch                          # SLURM: one process per GPU
 
 ``--mesh`` lays the devices out over named axes: ``data`` (ZeRO shards over it),
-``replica`` (everything replicated, the batch split: hybrid sharding) and
-``model`` (the attention and MLP weights placed Megatron-style, see
-``lm.model.tensor_parallel_specs``). With ``--checkpoint-dir`` the training
-state (parameters, optimizer state with its master copy and loss scale, step)
-is saved as sharded arrays every ``--save-every`` steps and at the end, keeping
-the last ``--keep``; ``--resume`` continues from the latest one that can be
-read, on any device count, mesh or stage. Batches are a function of the seed and
+``node`` (ZeRO shards over it and ``data`` jointly: the nodes of a cluster, whose
+links are slower), ``replica`` (everything replicated, the batch split: hybrid
+sharding) and ``model`` (the attention and MLP weights placed Megatron-style,
+see ``lm.model.tensor_parallel_specs``). ``--secondary-axis data`` adds ZeRO++'s
+hpZ: each layer's backward gather reads a copy kept inside the node. With
+``--checkpoint-dir`` the training state (parameters, optimizer state with its
+master copy and loss scale, step) is saved as sharded arrays every
+``--save-every`` steps and at the end, keeping the last ``--keep``; ``--resume``
+continues from the latest one that can be read, on any device count, mesh or
+stage. Batches are a function of the seed and
 the step number, so a resumed run trains on exactly the batches an
 uninterrupted run would.
 
@@ -259,8 +263,14 @@ def add_parallelism_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
     "--mesh",
     type=parse_mesh,
-    help="named axes and sizes, e.g. replica=2,data=4 (hybrid sharding) or data=4,model=2 "
-    "(tensor parallelism); the default is data=--devices",
+    help="named axes and sizes, e.g. replica=2,data=4 (hybrid sharding), node=2,data=4 "
+    "(sharded over both) or data=4,model=2 (tensor parallelism); the default is data=--devices",
+  )
+  parser.add_argument(
+    "--secondary-axis",
+    choices=("data",),
+    help="ZeRO++'s hpZ (stage 3, with a node axis in --mesh): keep each layer's forward gather "
+    "also split over this intra-node axis, so that the backward gathers stay inside the node",
   )
   parser.add_argument("--coordinator", help="host:port of process 0, for a multi-process run")
   parser.add_argument("--num-processes", type=int, help="processes in a multi-process run")

@@ -78,11 +78,19 @@ def flat_tiny_run(tmp_path_factory):
   return train_lm.main([*TINY, "--steps", "4", "--out", str(out)])
 
 
-@pytest.mark.parametrize("mesh", ["replica=2,data=4", "data=4,model=2"])
-def test_train_lm_on_a_multi_axis_mesh_trains_like_a_flat_one(mesh, flat_tiny_run, tmp_path):
-  # Hybrid sharding, and tensor parallelism over the attention and MLP weights:
-  # the same losses as 8 devices on one data axis, to rounding.
-  metrics = train_lm.main([*TINY, "--steps", "4", "--mesh", mesh, "--out", str(tmp_path)])
+@pytest.mark.parametrize(
+  "mesh, flags",
+  [
+    ("replica=2,data=4", []),
+    ("data=4,model=2", []),
+    ("node=2,data=4", ["--secondary-axis", "data"]),
+  ],
+)
+def test_train_lm_on_a_multi_axis_mesh_trains_like_a_flat_one(mesh, flags, flat_tiny_run, tmp_path):
+  # Hybrid sharding, tensor parallelism over the attention and MLP weights, and ZeRO++'s hpZ
+  # over two nodes: the same losses as 8 devices on one data axis, to rounding.
+  flags = [*TINY, "--steps", "4", "--mesh", mesh, *flags, "--out", str(tmp_path)]
+  metrics = train_lm.main(flags)
   assert metrics["config"]["mesh"] == train_lm.parse_mesh(mesh)
   np.testing.assert_allclose(metrics["train_loss"], flat_tiny_run["train_loss"], rtol=1e-5)
 
