@@ -42,6 +42,9 @@ SETUPS = {
   "ZeRO-3": dict(axis_name=("node", "data")),
   "hybrid": dict(axis_name="data", replica_axis="node"),
   "hpZ": dict(axis_name=("node", "data"), secondary_axis="data"),
+  "ZeRO-3+qwZ+qgZ": dict(
+    axis_name=("node", "data"), quantized_weights="int8", quantized_gradients="int8"
+  ),
   "hpZ+qwZ+qgZ": dict(
     axis_name=("node", "data"),
     secondary_axis="data",

@@ -302,3 +302,16 @@ def test_the_command_line_compares_zero3_with_and_without_hpz():
   # what a device holds, and only the forward pass's gather of them and the gradients cross.
   assert rows["8"] == ["-"] * 5
   assert rows["64"] == ["1.88", "1.88", "45.00", "16.88", "30.00"]
+
+
+def test_checkpoints_move_between_full_sharding_and_hpz(tmp_path):
+  mesh = jax.make_mesh((2, 4), AXES)
+  full = zerojax.zero3(optax.adam(1e-2), mesh=mesh, axis_name=AXES)
+  hpz = zerojax.zero3(optax.adam(1e-2), mesh=mesh, axis_name=AXES, secondary_axis="data")
+  params = full.shard(models.make_params())
+  with zerojax.CheckpointManager(tmp_path, zerojax.train_state_spec(full, params)) as manager:
+    manager.save(1, {"params": params, "opt_state": full.init(params)})
+  with zerojax.CheckpointManager(tmp_path, zerojax.train_state_spec(hpz, params)) as manager:
+    restored = manager.restore()["params"]
+  assert restored["layers"]["w"].sharding.spec == P(None, ("data", "node"))
+  chex.assert_trees_all_equal(hpz.gather(restored), full.gather(params))
