@@ -48,6 +48,8 @@ class Setup:
     model_axis: a ``node=2 x data=2 x model=2`` mesh with the layers split
       Megatron-style over ``model`` (``tests/multi_axis_model.py``), instead of
       ``node=2 x data=4``.
+    replica: a ``replica=2 x node=2 x data=2`` mesh, replicated over
+      ``replica`` (hybrid sharding), instead of ``node=2 x data=4``.
   """
 
   path: str | int = "gather"
@@ -55,6 +57,7 @@ class Setup:
   options: tuple[tuple[str, str], ...] = ()
   microbatches: int = 1
   model_axis: bool = False
+  replica: bool = False
 
 
 SETUPS = {
@@ -62,8 +65,9 @@ SETUPS = {
   "scan, Auto axes, micro-batches, offloaded": Setup(
     path=1, axis_type=AxisType.Auto, microbatches=2, options=(("offload", "optimizer"),)
   ),
-  "scan, prefetch=0, bf16, qwZ and qgZ": Setup(
+  "scan, prefetch=0, bf16, qwZ and qgZ, replicas": Setup(
     path=0,
+    replica=True,
     options=(("precision", "bf16"), ("quantized_weights", "int8"), ("quantized_gradients", "int8")),
   ),
   "model axis": Setup(axis_type=AxisType.Auto, model_axis=True),
@@ -88,7 +92,10 @@ def loss_fn(path):
 
 
 def mesh_of(setup: Setup):
-  shape, names = ((2, 2, 2), (*AXES, "model")) if setup.model_axis else ((2, 4), AXES)
+  shape, names = (2, 4), AXES
+  if setup.model_axis or setup.replica:
+    shape = (2, 2, 2)
+    names = (*AXES, "model") if setup.model_axis else ("replica", *AXES)
   return jax.make_mesh(shape, names, axis_types=(setup.axis_type,) * len(names))
 
 
@@ -100,6 +107,8 @@ def _transformation(setup: Setup, hpz: bool):
     params, min_shard_size = multi_axis_model.placed_params(mesh), multi_axis_model.MIN_SHARD_SIZE
   else:
     params, min_shard_size = models.make_params(), 16  # the biases and the odd leaf shard too
+  if setup.replica:
+    options["replica_axis"] = "replica"
   tx = zerojax.zero3(
     optax.adam(1e-2), mesh=mesh, axis_name=AXES, min_shard_size=min_shard_size, **options
   )
@@ -114,7 +123,7 @@ def trained(setup: Setup, hpz: bool):
     loss, batch = multi_axis_model.loss_fn, multi_axis_model.make_batch()
   else:
     loss, batch = loss_fn(setup.path), models.make_batch()
-  batch = jax.device_put(batch, NamedSharding(mesh, P(AXES)))
+  batch = jax.device_put(batch, NamedSharding(mesh, P(tx.batch_axes)))
 
   @jax.jit
   def step(params, state, *batch):
