@@ -254,7 +254,9 @@ def read(group: Group, values: Sequence[jax.Array], sinks: Sequence[jax.Array]) 
 
   ``sinks`` are zero arrays of the gradient shards' shapes, differentiated in
   the weights' place: the backward pass reduce-scatters each weight's
-  cotangent into its sink.
+  cotangent into its sink. Under hpZ (stage 3) ``values`` are the secondary
+  partitions, the weights are gathered from them inside the node
+  (``hpz.fulls``), and the sinks are the shards themselves.
   """
   return list(_read(group, tuple(values), tuple(sinks)))
 
@@ -262,6 +264,10 @@ def read(group: Group, values: Sequence[jax.Array], sinks: Sequence[jax.Array]) 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _read(group: Group, values, sinks):
   del sinks
+  if group.secondary_axes:
+    from zerojax._src import hpz  # (which builds on this module)
+
+    return tuple(hpz.fulls(group, values))
   return tuple(group.read(values))
 
 

@@ -34,17 +34,14 @@ step 2 alone.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from zerojax._src import comm
 from zerojax._src import layout as layout_lib
-
-if TYPE_CHECKING:
-  from zerojax._src import comm
 
 #: ``jax.checkpoint_name`` of every secondary partition (what the backward pass gathers from).
 SECONDARY = "zerojax_secondary"
@@ -115,8 +112,6 @@ def secondaries(group: comm.Group, values: Sequence[jax.Array]) -> list[jax.Arra
   dequantized: the secondary partition holds exactly what a one-step gather
   would have made of them. No derivative rule: ``gather`` gives one.
   """
-  from zerojax._src import comm
-
   cross = cross_axes(layout_lib.axes(group.axis_name), group.secondary_axes)
   return [
     comm.all_gather(value, layout_lib.entry(cross), t.axis, t.compute, group.weights)
@@ -132,8 +127,6 @@ def fulls(group: comm.Group, kept: Sequence[jax.Array]) -> list[jax.Array]:
   Narrow dtypes move as their bits (``comm.as_bits``). Padding sliced off; no
   derivative rule.
   """
-  from zerojax._src import comm
-
   secondary = layout_lib.entry(group.secondary_axes)
   result = []
   for transfer, value in zip(group.transfers, kept, strict=True):
@@ -149,28 +142,10 @@ def gather(group: comm.Group, values: Sequence[jax.Array]) -> list[jax.Array]:
 
   The secondary partitions are computed from the shards with no derivative
   and named ``SECONDARY`` (saved by ``zerojax.remat_policy``); the full
-  weights are gathered from them, and the derivative rule of that step sends
+  weights are gathered from them by ``comm.read``, whose derivative rule sends
   the weights' cotangents to the shards themselves, reduce-scattered over all
   the data axes (``group.reduce_scatter``), as without hpZ.
   """
   frozen = [jax.lax.stop_gradient(value) for value in values]
-  kept = tuple(checkpoint_name(s, SECONDARY) for s in secondaries(group, frozen))
-  return list(_gathered(group, kept, tuple(values)))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gathered(group, kept, values):
-  del values  # only the derivative rule reads them (as where the gradient goes)
-  return tuple(fulls(group, kept))
-
-
-def _gathered_fwd(group, kept, values):
-  return _gathered(group, kept, values), None
-
-
-def _gathered_bwd(group, residuals, cotangents):
-  del residuals
-  return tuple(None for _ in cotangents), tuple(group.reduce_scatter(cotangents))
-
-
-_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+  kept = [checkpoint_name(s, SECONDARY) for s in secondaries(group, frozen)]
+  return comm.read(group, kept, values)
