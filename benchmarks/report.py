@@ -114,6 +114,24 @@ def provenance(devices: int, clock: Clock) -> str:
   )
 
 
+def accelerator_provenance(clock: Clock) -> str:
+  """When and with which compilers a deviceless run compiled its steps, and how long it took."""
+  from importlib import metadata
+
+  versions = []
+  for package in ("jax-cuda12-pjrt", "libtpu"):
+    try:
+      versions.append(f"{package} {metadata.version(package)}")
+    except metadata.PackageNotFoundError:
+      continue
+  return (
+    f"Compiled {datetime.date.today().isoformat()} with jax {jax.__version__} and "
+    f"{', '.join(versions) or 'no accelerator compiler'}, without the devices (deviceless "
+    f"ahead-of-time compilation), on {platform.platform()}; the whole run took "
+    f"{clock.elapsed():.0f} s."
+  )
+
+
 def command(script: str, argv: list[str]) -> list[str]:
   """The lines of a Markdown code block that reruns ``script`` with ``argv``."""
   return ["```", " ".join([f"python benchmarks/{script}", *argv]), "```"]

@@ -45,9 +45,12 @@ hpZ: each layer's backward gather reads a copy kept inside the node. With
 master copy and loss scale, step) is saved as sharded arrays every
 ``--save-every`` steps and at the end, keeping the last ``--keep``; ``--resume``
 continues from the latest one that can be read, on any device count, mesh or
-stage. Batches are a function of the seed and
-the step number, so a resumed run trains on exactly the batches an
-uninterrupted run would.
+stage. Batches are a function of the seed and the step number, and the
+learning-rate schedule is the one the checkpoints started with
+(``CHECKPOINT_DIR/schedule.json``, whatever ``--steps`` says now), so a resumed
+run trains on exactly the batches and learning rates an uninterrupted run
+would. Without ``--resume``, a ``--checkpoint-dir`` holding checkpoints is
+refused.
 
 Preemption: on SIGTERM (a preempted VM, SLURM's ``--signal``, the launcher
 being stopped) every process finishes its step, all stop after the same step
@@ -87,10 +90,14 @@ import contextlib
 import dataclasses
 import math
 import pathlib
+import sys
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 import zerojax
 
@@ -104,12 +111,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the script with the flags in ``argv`` (default: the command line); returns the metrics."""
   parser = build_parser()
   args = parser.parse_args(argv)
-  # First, before anything touches a device; False (and nothing done) for one process.
-  multi_process = zerojax.distributed.initialize(
-    args.coordinator, args.num_processes, args.process_id, detect_cluster=args.detect_cluster
-  )
   try:
+    # First, before anything touches a device; False (and nothing done) for one process.
+    multi_process = zerojax.distributed.initialize(
+      args.coordinator, args.num_processes, args.process_id, detect_cluster=args.detect_cluster
+    )
     config = make_config(args, multi_process)
+    if multi_process:
+      check_same_flags(config, sys.argv[1:] if argv is None else argv)
     devices = claim_devices(config.devices, multi_process)
   except ValueError as error:
     parser.error(str(error))
@@ -122,7 +131,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     tuple(sizes.values()), tuple(sizes), axis_types=(axis_type,) * len(sizes), devices=devices
   )
   with jax.set_mesh(mesh):
-    return train.train(config, mesh)
+    try:
+      return train.train(config, mesh)
+    except configs.FlagsError as error:
+      parser.error(str(error))
 
 
 def make_config(args: argparse.Namespace, multi_process: bool) -> configs.Config:
@@ -148,6 +160,26 @@ def make_config(args: argparse.Namespace, multi_process: bool) -> configs.Config
       flags[name] = getattr(preset, name)
   flags["microbatches"] = microbatches(args, flags["batch_size"], devices)
   return configs.Config(**(flags | {"devices": devices}))
+
+
+def check_same_flags(config: configs.Config, argv: Sequence[str]) -> None:
+  """Raises unless every process of a multi-process run has this ``config`` (one tiny all-gather).
+
+  Processes that build different models would otherwise meet in collectives
+  of different sizes, which abort in gloo.
+
+  Raises:
+    ValueError: naming the processes whose flags differ from process 0's, and
+      this process's ``argv``.
+  """
+  signature = np.uint32(zlib.crc32(repr(config).encode()))
+  everyone = np.asarray(multihost_utils.process_allgather(signature)).ravel()
+  differ = [int(p) for p in np.flatnonzero(everyone != everyone[0])]
+  if differ:
+    raise ValueError(
+      f"process(es) {differ} were started with other flags than process 0, and every process "
+      f"of a run needs the same ones; process {jax.process_index()} has: {' '.join(argv)}"
+    )
 
 
 def microbatches(args: argparse.Namespace, batch_size: int, devices: int) -> int:
@@ -204,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     "--batch-size", type=at_least(1), help="global batch, a multiple of --devices"
   )
   parser.add_argument("--seq-len", type=at_least(1), help="context length in bytes")
-  parser.add_argument("--lr", type=float, help="peak learning rate")
+  parser.add_argument("--lr", type=positive_number, help="peak learning rate")
   parser.add_argument("--seed", type=at_least(0), default=0)
   parser.add_argument(
     "--microbatches",
@@ -339,6 +371,17 @@ def at_least(least: int) -> Callable[[str], int]:
   return whole_number
 
 
+def positive_number(text: str) -> float:
+  """An argparse type: a finite number above 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+  return value
+
+
 def parse_mesh(text: str) -> dict[str, int]:
   """``"replica=2,data=4"`` -> ``{"replica": 2, "data": 4}``, in mesh order.
 
@@ -347,11 +390,14 @@ def parse_mesh(text: str) -> dict[str, int]:
     {'data': 4, 'model': 2}
   """
   try:
-    sizes = {name: int(size) for name, size in (part.split("=") for part in text.split(","))}
+    pairs = [(name, int(size)) for name, size in (part.split("=") for part in text.split(","))]
   except ValueError:
     raise argparse.ArgumentTypeError(
       f"{text!r} is not axis=size,...; e.g. data=4,model=2"
     ) from None
+  sizes = dict(pairs)
+  if len(sizes) < len(pairs):
+    raise argparse.ArgumentTypeError(f"--mesh {text!r} names an axis twice; name each once")
   unknown = [name for name in sizes if name not in configs.MESH_AXES]
   if unknown or "data" not in sizes or min(sizes.values()) < 1:
     raise argparse.ArgumentTypeError(

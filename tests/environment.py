@@ -2,10 +2,11 @@
 
 ``prepare`` runs before JAX is imported (the root ``conftest.py`` calls it):
 
-* the CPU platform, quiet: the accelerator compilers the test extra installs
-  (tests/test_accelerators.py) log at INFO that this machine has no CUDA
-  driver each time a process loads them; the C++ logger reads the level when
-  it starts, so ``TF_CPP_MIN_LOG_LEVEL`` is set first, for subprocesses too;
+* the CPU platform, and ``TF_CPP_MIN_LOG_LEVEL=1``: the accelerator
+  compilers the test extra installs (tests/test_accelerators.py) log at INFO
+  each time a process loads them; the C++ logger reads the level when it
+  starts, so it is set first, for subprocesses too (the CUDA plugin's "no
+  driver" line, printed before that logger starts, passes anyway);
 * ``FAST_COMPILE``: the tests compile many small programs and run each a few
   times, so compiling dominates. XLA's CPU backend compiles without LLVM
   optimisation and with its older emitters instead of its MLIR fusion

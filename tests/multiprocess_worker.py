@@ -10,10 +10,11 @@ on a (replica, data) mesh whose replicas are the processes (one "node" each),
 and stage 3 there with int8-quantized communication, and with its optimizer
 state in host memory; train stage 3 on a (node, data) mesh whose nodes are the
 processes, split over both axes, with hpZ and without;
-provoke ``global_batch``'s errors. Every process writes
+provoke ``global_batch``'s errors, and ``tx.shard``'s for models that differ. Every process writes
 what it saw to ``OUT/p<process id>.npz`` and ``.json``. The test runs the same
 function in its own single process for the comparison. ``die``: train until
-process 1 kills itself with SIGKILL. ``raise``: process 1 raises at step 2.
+process 1 kills itself with SIGKILL. ``raise OUT``: every process starts a
+checkpoint save into ``OUT`` at step 2, and process 1 raises while it is in flight.
 ``preempt``: with JAX's preemption service off (so ``preemption_requested``
 all-gathers its own SIGTERM flag), process 1 sends itself SIGTERM at step 3;
 every process prints the step it stopped at and exits preempted (on the first
@@ -179,7 +180,8 @@ def train_hpz(report) -> dict:
 
 
 def batch_errors(mesh):
-  """The messages of ``global_batch`` for rows that do not divide, and for processes that differ."""
+  """The messages of ``global_batch`` for rows that do not divide, and for processes that differ;
+  and of ``tx.shard`` for processes whose models differ."""
   errors = {}
   rows = jax.local_device_count()
   cases = {"indivisible": np.zeros((rows + 1, 3), np.float32)}
@@ -190,10 +192,17 @@ def batch_errors(mesh):
       zerojax.distributed.global_batch(local, mesh)
     except ValueError as error:
       errors[name] = str(error)
+  if jax.process_count() > 1:
+    try:
+      zerojax.zero3(optax.sgd(0.1), mesh=mesh).shard(
+        {"w": np.zeros((4, 1024 * (1 + jax.process_index())), np.float32)}
+      )
+    except ValueError as error:
+      errors["models"] = str(error)
   return errors
 
 
-def steps(mode: str) -> None:
+def steps(mode: str, out: Path | None = None) -> None:
   """Trains step after step until ``mode``'s fault ends the process."""
   if mode == "preempt" and os.environ.get("ZEROJAX_ATTEMPT") != "1":
     return
@@ -206,8 +215,12 @@ def steps(mode: str) -> None:
     print(f"step {count}: loss {float(loss):.4f}", flush=True)
     if mode == "die" and count == 1 and faulty:
       os.kill(os.getpid(), signal.SIGKILL)
-    if mode == "raise" and count == 2 and faulty:
-      raise RuntimeError("injected fault at step 2")
+    if mode == "raise" and count == 2:
+      # A save in flight, whose commit waits for the other process, as the fault strikes.
+      checkpoints = zerojax.CheckpointManager(out / "checkpoint", checkpoint_spec(mesh))
+      checkpoints.save(count, {"params": params, "opt_state": state})
+      if faulty:
+        raise RuntimeError("injected fault at step 2")
     if mode == "preempt":
       if count == 3 and faulty:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -227,7 +240,7 @@ def main(argv=None) -> None:
   # A long shutdown timeout: a crash must not wait for it (initialize skips the
   # exit barrier after an uncaught exception).
   zerojax.distributed.initialize(heartbeat_timeout=20, collective_timeout=60, shutdown_timeout=120)
-  train(args.out, args.restore) if args.mode == "train" else steps(args.mode)
+  train(args.out, args.restore) if args.mode == "train" else steps(args.mode, args.out)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 """Misuses of the public API, as a new user makes them: each ends in an error that says the fix.
 
 The cases are keyed by the message fragments of docs/guide.md's errors table,
-so the table and the tests cannot drift apart.
+so the table and the tests cannot drift apart; so are the mistakes that give
+the right answer anyway, by the first column of the table after it.
 """
 
 import pathlib
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType
@@ -142,6 +145,48 @@ def replaced_init(types):
   _ = tx._replace(init=optax.sgd(0.1).init).stage
 
 
+def cpu_devices_as_text(types):
+  zerojax.distributed.use_cpu_devices("8")
+
+
+def batch_by_keyword(types):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
+  zerojax.value_and_grad(_loss, tx)(_w(tx), x=jnp.ones((8, 4)))
+
+
+def offloaded_state_without_offload(types):
+  mesh = _mesh(types)
+  offloaded = zerojax.zero2(optax.adam(0.1), mesh=mesh, offload="optimizer")
+  tx = zerojax.zero2(optax.adam(0.1), mesh=mesh)
+  params = _w(tx)
+  tx.update(jax.tree.map(jnp.ones_like, params), offloaded.init(params), params)
+
+
+def summed_loss(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  loss = lambda params, x: jnp.sum(x @ zerojax.gather(params)["w"])
+  jax.jit(zerojax.value_and_grad(loss, tx))(_w(tx), jnp.ones((8, 4)))
+
+
+def min_shard_size_as_text(types):
+  zerojax.zero2(optax.sgd(0.1), mesh=_mesh(types), min_shard_size="1024")
+
+
+def transformation_as_checkpoint_spec(types):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
+  zerojax.CheckpointManager(GUIDE.parent / "_never_created", tx)  # refused before it is made
+
+
+def devices_not_whole(types):
+  zerojax.estimate_memory(7.5e9, num_devices=8.5, stage=3)
+
+
+def loss_not_a_scalar(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  loss = lambda params, x: x @ zerojax.gather(params)["w"]  # per example, not reduced
+  jax.jit(zerojax.value_and_grad(loss, tx))(_w(tx), jnp.ones((8, 4)))
+
+
 # The first column of docs/guide.md's errors table, and the misuse that raises each.
 CASES = {
   "mesh has no axis 'dta' (its axes are ('data',)); did you mean axis_name='data'?": axis_name_typo,
@@ -174,10 +219,62 @@ CASES = {
   ),
   "the optimizer state was made for another precision policy": state_of_another_policy,
   "this ZeroTransformation's init is not zerojax's any more": replaced_init,
+  "opt_state.inner_state[0].count is in host memory, but this transformation (offload=None)": (
+    offloaded_state_without_offload
+  ),
+  "TypeError: use_cpu_devices takes a whole number of devices, got '8' (a str)": (
+    cpu_devices_as_text
+  ),
+  "TypeError: ... takes the batch as positional arguments, f(params, *batch) ... 'x'": (
+    batch_by_keyword
+  ),
+  "UserWarning: ... loss_fn's loss looks like a sum over its batch, not a mean": summed_loss,
+  "TypeError: value_and_grad needs loss_fn to return a scalar loss ... shape (1, 1024)": (
+    loss_not_a_scalar
+  ),
+  "min_shard_size must be an int (the fewest elements a leaf needs to be split), got '1024'": (
+    min_shard_size_as_text
+  ),
+  "TypeError: CheckpointManager's spec is a zerojax.StateSpec, got ZeroTransformation": (
+    transformation_as_checkpoint_spec
+  ),
+  "num_devices must be a whole number, at least 1, got 8.5": devices_not_whole,
 }
 
 # Misuses the table covers with another row's message.
 MORE = {"opt_state... lives on a mesh of {'data': 4}": state_of_another_mesh_in_jit}
+
+
+def shard_twice(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types), min_shard_size=1)
+  once = tx.shard({"w": jnp.arange(91.0).reshape(7, 13)})  # stored padded to (7, 16)
+  return [once], [tx.shard(once)]
+
+
+def unplaced_gradients(types):
+  done_right, unplaced = [], []
+  for stage in (2, 3):
+    tx = getattr(zerojax, f"zero{stage}")(optax.adam(0.1), mesh=_mesh(types), min_shard_size=1)
+    params = tx.shard({"w": jnp.arange(91.0).reshape(7, 13)})  # padded to (7, 16)
+    loss = lambda params, x: jnp.mean(jnp.sin(x @ zerojax.gather(params)["w"]))
+    _, grads = zerojax.value_and_grad(loss, tx)(params, jnp.ones((8, 7)))
+    state = tx.init(params)
+    padded = jax.tree.map(np.asarray, grads)
+    logical = {"w": padded["w"][:, :13]}
+    for host in (padded, logical):
+      done_right.append(tx.update(grads, state, params))
+      unplaced.append(tx.update(host, state, params))
+      done_right.append(tx.update(grads, state, params))
+      unplaced.append(tx.update(jax.device_put(host, jax.devices()[1]), state, params))
+  return done_right, unplaced
+
+
+# The first column of the guide's table of mistakes that give the right answer, and for each a
+# function that returns what doing it right gives and what the mistake gives.
+RIGHT_ANSWERS = {
+  "tx.shard(tx.shard(params))": shard_twice,
+  "tx.update(grads, opt_state, params)": unplaced_gradients,
+}
 
 
 def _pattern(fragment: str) -> str:
@@ -185,18 +282,69 @@ def _pattern(fragment: str) -> str:
   return ".*".join(re.escape(part.strip()) for part in fragment.split("..."))
 
 
+#: What a row may name first; a row that names none is a ``ValueError``.
+KINDS = (TypeError, UserWarning)
+
+
+def _kind(fragment: str) -> tuple[type[Exception], str]:
+  """The error (or warning) a table fragment names, and the message it contains."""
+  for kind in KINDS:
+    if fragment.startswith(f"{kind.__name__}: "):
+      return kind, fragment.removeprefix(f"{kind.__name__}: ")
+  return ValueError, fragment
+
+
 @pytest.mark.parametrize("types", MESH_TYPES.values(), ids=MESH_TYPES)
 @pytest.mark.parametrize("fragment", {**CASES, **MORE})
-def test_misuse_raises_a_value_error_that_says_what_to_do(fragment, types):
-  with pytest.raises(ValueError, match=_pattern(fragment)):
-    {**CASES, **MORE}[fragment](types)
+def test_misuse_raises_an_error_that_says_what_to_do(fragment, types):
+  kind, message = _kind(fragment)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)  # a warning is raised, so it can be matched
+    with pytest.raises(kind, match=_pattern(message)) as raised:
+      {**CASES, **MORE}[fragment](types)
+  assert type(raised.value) is kind  # not a subclass (a JAX error is a ValueError too)
+
+
+def _guide_tables() -> tuple[list[str], list[str]]:
+  """The first columns of the guide's table of errors and of its table of right answers."""
+  text = GUIDE.read_text()
+  section = text[text.index("## Errors you may meet") :].split("\n## ")[0]
+  errors, right = section.split("| what you do |")
+  column = lambda table: re.findall(r"^\| `(.+?)`", table, flags=re.MULTILINE)
+  return column(errors), column(right)
 
 
 def test_the_guide_lists_exactly_the_tested_errors():
-  text = GUIDE.read_text()
-  table = text[text.index("## Errors you may meet") :].split("\n## ")[0]
-  rows = re.findall(r"^\| `(.+?)` \|", table, flags=re.MULTILINE)
-  assert rows == list(CASES)
+  assert _guide_tables() == (list(CASES), list(RIGHT_ANSWERS))
+
+
+@pytest.mark.parametrize("types", MESH_TYPES.values(), ids=MESH_TYPES)
+@pytest.mark.parametrize("what", RIGHT_ANSWERS)
+def test_these_mistakes_give_the_right_answer(what, types):
+  done_right, mistaken = RIGHT_ANSWERS[what](types)
+  for expected, got in zip(jax.tree.leaves(done_right), jax.tree.leaves(mistaken), strict=True):
+    assert got.sharding.is_equivalent_to(expected.sharding, got.ndim)
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("types", MESH_TYPES.values(), ids=MESH_TYPES)
+def test_evaluation_runs_on_gathered_parameters_not_on_the_stored_shards(types):
+  # The guide: the model code of value_and_grad runs in evaluation on tx.gather(params); on
+  # the stored stage-3 shards JAX refuses its matmuls on explicit axes.
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  params = tx.shard({"w": jnp.eye(64), "layers": jnp.ones((2, 64, 64)) / 64})
+  layer = lambda h, w: (jnp.tanh(h @ w), None)
+
+  def loss_fn(params, x):  # README's quickstart model
+    h = x @ zerojax.gather(params["w"])
+    return jnp.mean(zerojax.scan(layer, h, params["layers"])[0])
+
+  x = jnp.ones((8, 64))
+  expected, _ = zerojax.value_and_grad(loss_fn, tx)(params, x)
+  assert jax.jit(loss_fn)(tx.gather(params), x) == pytest.approx(float(expected), rel=1e-5)
+  if types == AxisType.Explicit:
+    with pytest.raises(Exception, match="Contracting dimensions are sharded"):
+      jax.jit(loss_fn)(params, x)
 
 
 def test_a_shard_used_without_gather_raises_a_type_error():
@@ -219,3 +367,15 @@ def test_a_chain_runs_eagerly_under_set_mesh_and_in_jit():
     eager, _ = tx.update(grads, state, params)
   jitted, _ = jax.jit(tx.update)(grads, state, params)
   assert eager["w"].sharding.spec == jitted["w"].sharding.spec == jax.P(None, "data")
+
+
+def test_the_summed_loss_check_traces_silently(capsys):
+  # The check traces the loss twice more; what the loss prints while traced shows once.
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(AxisType.Explicit))
+
+  def loss(params, x):
+    print("tracing the loss")
+    return jnp.mean(x @ zerojax.gather(params)["w"])
+
+  zerojax.value_and_grad(loss, tx)(_w(tx), jnp.ones((16, 4)))
+  assert capsys.readouterr().out == "tracing the loss\n"

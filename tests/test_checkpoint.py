@@ -402,8 +402,9 @@ def test_a_file_is_refused_as_a_checkpoint_directory(tmp_path):
   for directory in (file, file / "checkpoints"):
     with pytest.raises(ValueError, match=f"checkpoints go in a directory, but {file} is a file"):
       CheckpointManager(directory, spec)
-    with pytest.raises(ValueError, match=f"but {file} is a file"):
+    with pytest.raises(ValueError, match=f"but {file} is a file") as raised:
       zerojax.load_params(directory)
+    assert "creates it" not in str(raised.value)  # reading never creates a directory
   assert file.read_text() == "keep me"
 
 

@@ -1,10 +1,13 @@
 """A mistake on a command line ends in argparse's usage message and exit status 2: no traceback.
 
 Each case calls the command's ``main`` in this process (the mistakes are caught before anything
-is computed or launched); one runs ``examples/train_lm.py`` as the script it is.
+is computed or launched, or, for those that need the run's files, before any training); one runs
+``examples/train_lm.py`` as the script it is. ``{tmp}`` in a case's arguments is a directory that
+``files`` fills with what the mistakes need.
 """
 
 import io
+import json
 import subprocess
 import sys
 
@@ -12,9 +15,16 @@ import pytest
 
 from examples import train_lm
 from tests.environment import ROOT
-from zerojax import estimate, launch
+from zerojax import estimate, export, launch
 
-MAINS = {"train_lm": train_lm.main, "launch": launch.main, "estimate": estimate.main}
+MAINS = {
+  "train_lm": train_lm.main,
+  "launch": launch.main,
+  "estimate": estimate.main,
+  "export": export.main,
+}
+# train_lm runs that get as far as reading their files: the tiny model, two steps.
+TINY = ["--model", "tiny", "--steps", "2", "--no-report", "--out", "{tmp}/out"]
 
 CASES = [
   # examples/train_lm.py (its defaults: the small model, a batch of 32, 8 devices)
@@ -62,7 +72,44 @@ CASES = [
     ["--per-device-batch", "4", "--stage", "0", "--devices", "4"],
     "--per-device-batch 4 needs 2 micro-batches on 4",
   ),
+  ("train_lm", ["--lr", "-1"], "argument --lr: must be a finite number above 0, got -1"),
+  ("train_lm", ["--lr", "nan"], "argument --lr: must be a finite number above 0, got nan"),
+  ("train_lm", ["--lr", "fast"], "argument --lr: 'fast' is not a number"),
+  ("train_lm", ["--mesh", "data=8,data=2"], "--mesh 'data=8,data=2' names an axis twice"),
+  ("train_lm", ["--out", "{tmp}/a_file"], "--out {tmp}/a_file: {tmp}/a_file is a file; --out"),
+  (
+    "train_lm",
+    ["--checkpoint-dir", "{tmp}/a_file/ckpt"],
+    "--checkpoint-dir {tmp}/a_file/ckpt: {tmp}/a_file (in {tmp}/a_file/ckpt) is a file",
+  ),
+  ("train_lm", ["--num-processes", "2"], "a multi-process run needs coordinator_address"),
+  ("train_lm", ["--model", "tiny", "--seq-len", "10000000"], "--seq-len 10000000 is not shorter"),
+  (
+    "train_lm",
+    [*TINY, "--checkpoint-dir", "{tmp}/earlier_run"],
+    "--checkpoint-dir {tmp}/earlier_run holds the checkpoints [2] of an earlier run: pass --resume",
+  ),
+  (
+    "train_lm",
+    [*TINY, "--checkpoint-dir", "{tmp}/stranger"],
+    "--checkpoint-dir {tmp}/stranger: {tmp}/stranger/2 is in the way of this run's checkpoint of "
+    "step 2 (it is not a checkpoint)",
+  ),
+  (
+    "train_lm",
+    [*TINY, "--checkpoint-dir", "{tmp}/earlier_run", "--resume", "--lr", "0.1"],
+    "--lr 0.1, but the checkpoints in {tmp}/earlier_run were trained with --lr 0.003",
+  ),
+  (
+    "train_lm",
+    [*TINY, "--checkpoint-dir", "{tmp}/earlier_run", "--resume"],
+    "--resume from {tmp}/earlier_run: checkpoint step 2 in {tmp}/earlier_run does not fit this "
+    "manager's spec",
+  ),
   # python -m zerojax.launch
+  ("launch", ["-n", "2", "nosuch.py"], "nosuch.py: no such script"),
+  ("launch", ["-n", "2", "--timeout", "0", "x.py"], "--timeout must be above 0, got 0"),
+  ("launch", ["-n", "2", "--grace-period", "-1", "x.py"], "--grace-period must be at least 0"),
   ("launch", ["-n", "2", "--devices-per-process", "0", "x.py"], "--devices-per-process must be"),
   ("launch", ["-n", "2", "--devices-per-process", "-1", "x.py"], "at least 1, got -1"),
   ("launch", ["-n", "0", "x.py"], "--num-processes must be at least 1, got 0"),
@@ -82,19 +129,40 @@ CASES = [
     ["--params", "1e9", "--quantized-gradients", "int8", "--block-size", "3"],
     "quantization_block_size must be a positive even int",
   ),
+  # python -m zerojax.export
+  ("export", ["{tmp}/earlier_run", "{tmp}"], "{tmp} is a directory; name the .safetensors file"),
+  ("export", ["{tmp}/earlier_run", "{tmp}/no/such/model.safetensors"], "{tmp}/no/such does not"),
 ]
+
+
+@pytest.fixture
+def tmp(tmp_path):
+  """The directory ``{tmp}`` stands for: a file, an earlier run's checkpoints, and a checkpoint
+  directory with something that is not a checkpoint where step 2's would go."""
+  (tmp_path / "a_file").write_text("not a directory")
+  # A checkpoint of another model, as far as listing the directory and reading its layout
+  # record go (reading its arrays would fail).
+  (tmp_path / "earlier_run" / "2" / "layout").mkdir(parents=True)
+  (tmp_path / "earlier_run" / "2" / "_CHECKPOINT_METADATA").write_text("{}")
+  w = {"keys": ["params", "w"], "shape": [3], "dtype": "float32"}
+  layout = {"leaves": {"['params']['w']": w}, "master_path": ["params"]}
+  (tmp_path / "earlier_run" / "2" / "layout" / "metadata").write_text(json.dumps(layout))
+  (tmp_path / "earlier_run" / "schedule.json").write_text(json.dumps({"lr": 3e-3, "steps": 2}))
+  (tmp_path / "stranger" / "2").mkdir(parents=True)
+  return tmp_path
 
 
 @pytest.mark.parametrize(
   "command, argv, message", CASES, ids=[f"{c}:{' '.join(a)}" for c, a, _ in CASES]
 )
-def test_a_mistake_is_a_usage_error(command, argv, message, capsys):
+@pytest.mark.filterwarnings("ignore:.*named like a checkpoint but not one:UserWarning")
+def test_a_mistake_is_a_usage_error(command, argv, message, capsys, tmp):
   with pytest.raises(SystemExit) as exit_:
-    MAINS[command](argv)
+    MAINS[command]([arg.format(tmp=tmp) for arg in argv])
   err = capsys.readouterr().err
   assert exit_.value.code == 2, err
   assert err.startswith("usage: "), err
-  assert message in err, err
+  assert message.format(tmp=tmp) in err, err
 
 
 def test_train_lm_as_a_script_says_what_is_wrong_and_exits_2():
@@ -117,13 +185,32 @@ def test_launch_refuses_devices_per_process_below_1():
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_launcher_shows_gloo_connection_lines_only_when_verbose(verbose):
-  # What gloo prints on stdout in each process as it connects to the others.
-  gloo = "[Gloo] Rank 0 is connected to 1 peer ranks. "
-  gloo += "Expected number of connected peer ranks is : 1"
-  code = f"print({gloo!r}); print('trained')"
+  # What gloo prints on stdout in each process as it connects to the others; two threads of a
+  # process may print it at the same time, one line cut into the other.
+  gloo = [
+    "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+    "[Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
+    "ranks is : 1",
+    "0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+  ]
+  code = f"print(*{gloo!r}, sep='\\n'); print('trained')"
   out = io.StringIO()
   status = launch.launch(
     [sys.executable, "-c", code], num_processes=1, stdout=out, stderr=io.StringIO(), verbose=verbose
   )
   assert status == 0
-  assert out.getvalue().splitlines() == [f"[p0] {gloo}"] * verbose + ["[p0] trained"]
+  assert out.getvalue().splitlines() == [f"[p0] {line}" for line in gloo] * verbose + [
+    "[p0] trained"
+  ]
+
+
+def test_launcher_does_not_restart_a_usage_error():
+  # Exit status 2 is argparse's for a mistake in the arguments: every restart would repeat it.
+  err = io.StringIO()
+  code = "import sys; sys.exit(2)"
+  status = launch.launch(
+    [sys.executable, "-c", code], num_processes=2, max_restarts=3, stderr=err, stdout=io.StringIO()
+  )
+  assert status == 2
+  assert "not restarting: attempt 1 exited with 2, a usage error" in err.getvalue()
+  assert "attempt 2" not in err.getvalue()

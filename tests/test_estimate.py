@@ -1,6 +1,11 @@
 """The memory and communication estimators, their command line, and the step profiler."""
 
+import contextlib
 import functools
+import io
+import pathlib
+import re
+import shlex
 import sys
 
 import jax
@@ -58,7 +63,7 @@ def test_tree_estimate_counts_state_by_eval_shape():
 def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="stage must be one of"):
     zerojax.estimate_memory(1e9, num_devices=8, stage=4)
-  with pytest.raises(ValueError, match="num_devices must be at least 1"):
+  with pytest.raises(ValueError, match="num_devices must be a whole number, at least 1, got 0"):
     zerojax.estimate_memory(1e9, num_devices=0, stage=1)
 
 
@@ -129,6 +134,37 @@ def test_command_line_reports_communication_with_and_without_quantization():
   assert "not estimated with tensor parallelism" in tensor
 
 
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+# A documented run of the command line: a ```text block that starts with the command, then its
+# output; "..." as the first output line shows only the output's end.
+COMMAND_BLOCK = re.compile(
+  r"```text\n\$ python -m zerojax\.estimate ([^\n]*)\n(.*?)\n```", flags=re.DOTALL
+)
+DOCUMENTED_RUNS = [
+  (page.name, *match.groups())
+  for page in sorted(DOCS.glob("*.md"))
+  for match in COMMAND_BLOCK.finditer(page.read_text())
+]
+
+
+def test_the_docs_show_command_line_runs():
+  assert {page for page, *_ in DOCUMENTED_RUNS} == {"accounting.md"}
+  assert len(DOCUMENTED_RUNS) >= 4
+
+
+@pytest.mark.parametrize(
+  "page, arguments, shown", DOCUMENTED_RUNS, ids=[f"{p}:{a}" for p, a, _ in DOCUMENTED_RUNS]
+)
+def test_documented_command_line_output_is_what_it_prints(page, arguments, shown):
+  with contextlib.redirect_stdout(io.StringIO()):
+    printed = estimate_cli.main(shlex.split(arguments)).splitlines()
+  shown = shown.splitlines()
+  if shown[0] == "...":
+    shown = shown[1:]
+    printed = printed[len(printed) - len(shown) :]
+  assert shown == printed, f"{page}: paste the output of python -m zerojax.estimate {arguments}"
+
+
 def test_communication_estimate_arguments_are_checked():
   with pytest.raises(ValueError, match="stage 1 keeps the parameters whole"):
     zerojax.estimate_communication(1e9, num_devices=8, stage=1, quantized_weights="int8")
@@ -142,7 +178,7 @@ def test_communication_estimate_arguments_are_checked():
     )
   with pytest.raises(ValueError, match="stage must be one of"):
     zerojax.estimate_communication(1e9, num_devices=8, stage=4)
-  with pytest.raises(ValueError, match="replicas must be at least 1"):
+  with pytest.raises(ValueError, match="replicas must be a whole number, at least 1, got 0"):
     zerojax.estimate_communication(1e9, num_devices=8, stage=3, replicas=0)
 
 

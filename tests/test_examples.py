@@ -1,7 +1,10 @@
 """The examples run in their tiny configurations, and learn."""
 
+import dataclasses
 import json
+import re
 import shutil
+from pathlib import Path
 
 import chex
 import numpy as np
@@ -9,20 +12,28 @@ import pytest
 
 import zerojax
 from examples import digits_nnx, train_lm
+from examples.lm import train as lm_train
 from tests.helpers import ROUNDING
 
+ROOT = Path(__file__).resolve().parent.parent
 # The tiny model, without the end-of-run report (the stage-0 compile and the sample), which
 # only the first test needs.
 TINY = ("--model", "tiny", "--no-report")
 
 
-def test_train_lm_tiny_learns_and_reports(tmp_path):
+def test_train_lm_tiny_learns_and_reports(tmp_path, capsys):
   metrics = train_lm.main(["--model", "tiny", "--steps", "20", "--out", str(tmp_path)])
   losses = metrics["train_loss"]
   assert losses[-1] < 0.8 * losses[0]
   assert json.loads((tmp_path / "metrics.json").read_text())["config"]["stage"] == 3
   assert (tmp_path / "loss.png").stat().st_size > 0
-  assert len((tmp_path / "losses.jsonl").read_text().splitlines()) == 20
+  logged = [json.loads(line) for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
+  assert logged == [{"step": step, "loss": loss} for step, loss in enumerate(losses, 1)]
+  # The progress line README shows, with other numbers (pytest's stderr is no terminal).
+  shown = re.search(r"^step 50/600: .*$", (ROOT / "README.md").read_text(), re.M).group(0)
+  pattern = r"[\d,.]+".join(map(re.escape, re.split(r"\d[\d,.]*", shown)))
+  printed = capsys.readouterr().out.splitlines()
+  assert [line for line in printed if re.fullmatch(pattern, line)], printed
   # The report: stage 3 holds far less than stage 0's replica, and the model speaks.
   memory = metrics["memory_bytes"]
   assert memory["stage 3"]["params_and_opt_state"] < memory["stage 0"]["params_and_opt_state"] / 4
@@ -70,6 +81,28 @@ def test_train_lm_resumes_where_it_stopped(tmp_path):
   again = train_lm.main([*flags, "--checkpoint-dir", str(tmp_path / "resumed"), "--resume"])
   assert again["first_step"] == 7 and again["train_loss"] == []
   assert (tmp_path / "metrics.json").read_text() == written
+
+
+def test_a_resumed_run_keeps_the_schedule_its_checkpoints_started_with(tmp_path):
+  # docs/checkpoints.md: the first run records its schedule; a resumed run with another
+  # --steps follows it, and says so.
+  args = train_lm.build_parser().parse_args(
+    [*TINY, "--steps", "200", "--checkpoint-dir", str(tmp_path), "--resume"]
+  )
+  config = train_lm.make_config(args, multi_process=False)
+  said = []
+  assert lm_train.learning_rate_schedule(config, said.append) == (3e-3, 200)
+  assert said == []
+  lm_train.Schedule(3e-3, 200).record(tmp_path)
+  lm_train.Schedule(1e-3, 50).record(tmp_path)  # recorded once, by the run that started
+  longer = dataclasses.replace(config, steps=300)
+  assert lm_train.learning_rate_schedule(longer, said.append) == (3e-3, 200)
+  assert said == [
+    "--steps 300: the learning rate follows the schedule these checkpoints started with (warmup "
+    "and cosine decay over --steps 200), and stays at its final 0.0003 past it"
+  ]
+  fresh = dataclasses.replace(longer, resume=False)
+  assert lm_train.learning_rate_schedule(fresh, said.append) == (3e-3, 300)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from tests import environment, models, multiprocess_worker
 from tests.environment import ROOT
 from tests.helpers import ROUNDING
 from zerojax import launch
+from zerojax._src import distributed
+from zerojax._src import launch as launch_lib
 
 WORKER = "tests/multiprocess_worker.py"
 STAGES = (1, 2, 3)
@@ -273,6 +275,99 @@ def test_global_batch_names_what_is_wrong(runs):
     )
 
 
+def test_processes_with_different_models_are_refused_before_a_collective_of_them(runs):
+  # Without the check, placing parameters of different sizes aborts in gloo ("Received data
+  # size doesn't match") on one process and leaves the other to the heartbeat timeout.
+  for process in (0, 1):
+    error = runs[2][process][1]["errors"]["models"]
+    assert "the processes' parameters differ: process(es) [1] passed another structure" in error
+    assert "Every process must build the same model" in error
+    assert f"Process {process} passed {{['w']: (4, {1024 * (1 + process)}) float32}}" in error
+
+
+def started_alone(process_id: int, port: int, *args: str, **env: str) -> subprocess.Popen:
+  """``python ARGS`` as process ``process_id`` of 2 at ``127.0.0.1:port``, started on its own."""
+  variables = {
+    "ZEROJAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+    "ZEROJAX_NUM_PROCESSES": "2",
+    "ZEROJAX_PROCESS_ID": str(process_id),
+    "JAX_PLATFORMS": "cpu",
+    **env,
+  }
+  return subprocess.Popen(
+    [sys.executable, *args],
+    cwd=ROOT,
+    env=environment.subprocess_env(**variables),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+
+
+def test_a_process_whose_peer_never_starts_says_what_it_waits_for_and_exits():
+  # ZEROJAX_INITIALIZATION_TIMEOUT of 3 s instead of 300: each process is started without its
+  # peer (on ports of their own), says what it waits for, then names who is missing and exits
+  # with initialize's status, instead of a silent wait and JAX's C++ abort.
+  code = "import zerojax; zerojax.distributed.initialize(); print('joined')"
+  ports = launch_lib.free_port(), launch_lib.free_port()
+  begin = time.monotonic()
+  alone = [
+    started_alone(p, port, "-c", code, ZEROJAX_INITIALIZATION_TIMEOUT="3")
+    for p, port in enumerate(ports)
+  ]
+  errors = [process.communicate(timeout=60)[1] for process in alone]
+  assert [process.returncode for process in alone] == [distributed.NOT_JOINED_EXIT_CODE] * 2
+  for process, (port, err) in enumerate(zip(ports, errors, strict=True)):
+    assert (
+      f"zerojax.distributed.initialize: process {process} of 2 is waiting for the others to join "
+      f"at 127.0.0.1:{port} (up to initialization_timeout=3 s)." in err
+    )
+    assert f"waited initialization_timeout=3 s at 127.0.0.1:{port}, and " in err
+    assert "Check failure stack trace" not in err
+  assert "process 1 never joined" in errors[0]
+  assert "process 0, the coordinator, never started there (nothing listens at" in errors[1]
+  assert time.monotonic() - begin < 40
+
+
+def test_train_lm_processes_with_different_flags_are_refused():
+  # Their models differ, and so would the sizes of every collective between them.
+  port = launch_lib.free_port()
+  flags = ["examples/train_lm.py", "--steps", "2", "--no-report", "--model"]
+  started = [started_alone(p, port, *flags, model) for p, model in enumerate(("tiny", "small"))]
+  errors = [process.communicate(timeout=90)[1] for process in started]
+  assert [process.returncode for process in started] == [2, 2], errors
+  for process, (model, err) in enumerate(zip(("tiny", "small"), errors, strict=True)):
+    assert (
+      "train_lm.py: error: process(es) [1] were started with other flags than process 0, and "
+      f"every process of a run needs the same ones; process {process} has: --steps 2 "
+      f"--no-report --model {model}" in err
+    ), err
+
+
+def test_a_collective_that_lost_its_peer_ends_the_process_in_one_line():
+  # What initialize's exception hook does in every process of a multi-process run.
+  code = (
+    "from zerojax._src import distributed; distributed._exit_at_once_on_uncaught_exceptions(); "
+    "raise RuntimeError('UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer "
+    "[127.0.0.1]:39836')"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+    env=environment.subprocess_env(JAX_PLATFORMS="cpu"),
+  )
+  assert done.returncode == 1
+  lines = [line for line in done.stderr.splitlines() if "zerojax" in line or "Traceback" in line]
+  assert lines == [
+    "zerojax: process 0 stopped: a collective lost another process (RuntimeError: UNKNOWN: Gloo "
+    "AllGather failed: [pair.cc:547] Connection closed by peer [127.0.0.1]:39836); the process "
+    "that failed first says why."
+  ]
+
+
 def test_launcher_stops_everyone_when_one_process_dies():
   begin = time.monotonic()
   done = run_launcher("-n", "2", "--devices-per-process", "4", WORKER, "die", timeout=90)
@@ -458,14 +553,19 @@ def test_launcher_refuses_bad_restart_and_heartbeat_settings(capsys):
     launch.launch(["true"], num_processes=1, max_restarts=-1)
 
 
-def test_a_process_that_raises_fails_the_job_at_once():
-  # The worker's shutdown timeout is 120 s: without initialize's exception hook,
-  # the raising process would wait that long at exit for the other one.
+def test_a_process_that_raises_fails_the_job_at_once(tmp_path):
+  # The worker's shutdown timeout is 120 s and its collective timeout 60 s: without
+  # initialize's exception hook, the raising process would wait at exit for the other one, in
+  # JAX's exit barrier and in Orbax's commit of the save in flight (which then fails, printing
+  # two long tracebacks), while the other waits for it in a collective.
   begin = time.monotonic()
-  done = run_launcher("-n", "2", "--devices-per-process", "4", WORKER, "raise", timeout=110)
+  args = ["-n", "2", "--devices-per-process", "4", WORKER, "raise", str(tmp_path)]
+  done = run_launcher(*args, timeout=110)
   assert done.returncode == 1, done.stderr[-3000:]
   assert "RuntimeError: injected fault at step 2" in done.stderr
   assert "process 1 (pid" in done.stderr and "exited with code 1; stopping" in done.stderr
+  assert "cannot schedule new futures after shutdown" not in done.stderr
+  assert "[p0] Traceback" not in done.stderr  # one line at most: it lost its peer
   assert time.monotonic() - begin < 60
 
 

@@ -111,7 +111,7 @@ class Config:
   out: pathlib.Path
 
   def __post_init__(self):
-    for problem in (self._options_problem(), self._layout_problem()):
+    for problem in (self._options_problem(), self._layout_problem(), self._paths_problem()):
       if problem:
         raise ValueError(problem)
 
@@ -204,6 +204,26 @@ class Config:
         f"the batch is split over (replica x data) times --microbatches {self.microbatches}"
       )
     return None
+
+  def _paths_problem(self) -> str | None:
+    """What is wrong with ``--out`` and ``--checkpoint-dir``, if anything: each is a directory."""
+    for flag, path in (("--out", self.out), ("--checkpoint-dir", self.checkpoint_dir)):
+      if path is None:
+        continue
+      blocking = next((p for p in (path, *path.parents) if p.exists()), None)
+      if blocking is not None and not blocking.is_dir():
+        where = "" if blocking == path else f" (in {path})"
+        return f"{flag} {path}: {blocking}{where} is a file; {flag} names a directory"
+    return None
+
+
+class FlagsError(ValueError):
+  """A mistake in the flags that shows once the run reads its files: the checkpoint directory
+  holds another run's checkpoints, or something else is in the way, or the data is too short.
+
+  ``examples/train_lm.py`` reports it as a usage error (status 2), as it does the
+  ``ValueError`` s that ``Config`` raises.
+  """
 
 
 def batch_devices(mesh_shape: dict[str, int]) -> int:

@@ -106,6 +106,12 @@ class Batches:
 
   def __init__(self, config: configs.Config, mesh: jax.sharding.Mesh):
     self.corpus = load_corpus()
+    if config.seq_len >= len(self.corpus.val):
+      raise configs.FlagsError(
+        f"--seq-len {config.seq_len} is not shorter than the validation text "
+        f"({len(self.corpus.val)} bytes); take a shorter one (the {config.model} model's is "
+        f"{config.preset.seq_len})"
+      )
     self.unigram_loss = unigram_loss(self.corpus.train, self.corpus.val)
     self._config, self._mesh = config, mesh
     count = configs.EVAL_BATCHES * config.batch_size

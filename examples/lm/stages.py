@@ -41,14 +41,18 @@ class Setup(NamedTuple):
   tx: zerojax.ZeroTransformation | None
 
 
+#: The peak learning rate over the one at the end of the schedule (and after it).
+FINAL_LR_DIVISOR = 10
+
+
 def make_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
-  """Global-norm clipping and AdamW with linear warmup and cosine decay."""
+  """Global-norm clipping and AdamW with linear warmup and cosine decay over ``steps``."""
   schedule = optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=lr,
     warmup_steps=max(1, steps // 20),
     decay_steps=steps,
-    end_value=lr / 10,
+    end_value=lr / FINAL_LR_DIVISOR,
   )
   return optax.chain(
     optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.01)

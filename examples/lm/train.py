@@ -10,8 +10,10 @@ metrics and the plot).
 from __future__ import annotations
 
 import functools
+import json
+import pathlib
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -32,7 +34,8 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   batches = lm_data.Batches(config, mesh)
   model = lm_model.make_model(config.preset, config.seq_len, config.prefetch)
   loss = functools.partial(lm_model.loss_fn, model=model)
-  optimizer = stages.make_optimizer(config.lr, config.steps)
+  schedule = learning_rate_schedule(config, say)
+  optimizer = stages.make_optimizer(schedule.lr, schedule.steps)
   setup = stages.make_setup(
     config.stage, mesh, optimizer, loss, config.microbatches, **zero_options(config)
   )
@@ -41,11 +44,15 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   # The optimizer state (with the fp32 master copy) first: placing may round to --precision.
   opt_state = setup.init(initial)
   params = setup.place(initial)
-  loss_log = report.start_loss_log(config.out, keep=config.resume) if leader else None
   checkpoints = open_checkpoints(config, setup.tx, initial)
   params, opt_state, first_step = resume(config, checkpoints, params, opt_state, say)
   if first_step > config.steps:  # e.g. a restart loop that runs once more after the last save
     return nothing_left(config, checkpoints, first_step, say)
+  if checkpoints:
+    check_nothing_in_the_way(config, checkpoints, first_step)
+    if leader:
+      schedule.record(config.checkpoint_dir)
+  loss_log = report.start_loss_log(config.out, keep=config.resume) if leader else None
 
   platform = jax.devices()[0].platform
   say(report.describe(config, n_params, platform, batches.corpus))
@@ -122,26 +129,109 @@ def zero_options(config: configs.Config) -> dict[str, Any]:
   )
 
 
+class Schedule(NamedTuple):
+  """The learning-rate schedule's peak rate and length (``stages.make_optimizer``'s)."""
+
+  lr: float
+  steps: int
+
+  #: Where a run with checkpoints records its schedule, in ``--checkpoint-dir``.
+  FILE = "schedule.json"
+
+  def record(self, directory: pathlib.Path) -> None:
+    """Writes the schedule into ``directory`` unless one is recorded there already."""
+    path = directory / self.FILE
+    if not path.exists():
+      path.write_text(json.dumps(self._asdict()))
+
+
+def learning_rate_schedule(config: configs.Config, say) -> Schedule:
+  """The flags' schedule; under ``--resume``, the one the checkpoints were trained with.
+
+  A resumed run keeps the schedule it started with, so that its steps get the
+  learning rates of an uninterrupted run: a larger ``--steps`` trains on at the
+  schedule's final rate, a smaller one stops early.
+
+  Raises:
+    configs.FlagsError: if ``--lr`` is not the rate the checkpoints were trained with.
+  """
+  ours = Schedule(config.lr, config.steps)
+  path = config.checkpoint_dir and config.checkpoint_dir / Schedule.FILE
+  if not (config.resume and path.exists()):
+    return ours
+  recorded = Schedule(**json.loads(path.read_text()))
+  if recorded.lr != config.lr:
+    raise configs.FlagsError(
+      f"--lr {config.lr:g}, but the checkpoints in {config.checkpoint_dir} were trained with "
+      f"--lr {recorded.lr:g}: resume with --lr {recorded.lr:g} (the learning-rate schedule "
+      "belongs to the checkpoints), or start a new run in another --checkpoint-dir"
+    )
+  if recorded.steps != config.steps:
+    final = recorded.lr / stages.FINAL_LR_DIVISOR
+    past = f", and stays at its final {final:g} past it" if config.steps > recorded.steps else ""
+    say(
+      f"--steps {config.steps}: the learning rate follows the schedule these checkpoints "
+      f"started with (warmup and cosine decay over --steps {recorded.steps}){past}"
+    )
+  return recorded
+
+
 def open_checkpoints(
   config: configs.Config, tx: zerojax.ZeroTransformation | None, initial: Any
 ) -> zerojax.CheckpointManager | None:
-  """The run's checkpoints (``None`` without ``--checkpoint-dir``)."""
+  """The run's checkpoints (``None`` without ``--checkpoint-dir``).
+
+  Raises:
+    configs.FlagsError: if the directory holds checkpoints and ``--resume`` is
+      not given (the run would fail at its first save over them).
+  """
   if not config.checkpoint_dir:
     return None
   spec = zerojax.train_state_spec(tx, initial, step=np.int32(0))
-  return zerojax.CheckpointManager(
+  checkpoints = zerojax.CheckpointManager(
     config.checkpoint_dir, spec, max_to_keep=config.keep, save_interval_steps=config.save_every
   )
+  if checkpoints.all_steps() and not config.resume:
+    checkpoints.close()
+    raise configs.FlagsError(
+      f"--checkpoint-dir {config.checkpoint_dir} holds the checkpoints "
+      f"{checkpoints.all_steps()} of an earlier run: pass --resume to continue it, or another "
+      "--checkpoint-dir to start over (or delete these)"
+    )
+  return checkpoints
+
+
+def check_nothing_in_the_way(config: configs.Config, checkpoints, first_step: int) -> None:
+  """Raises ``configs.FlagsError`` if something that is not a checkpoint has the name of one
+  this run would save (steps ``first_step`` to ``--steps``), before any training."""
+  saved = set(checkpoints.all_steps())
+  for step in range(first_step, config.steps + 1):
+    path = config.checkpoint_dir / str(step)
+    if path.exists() and step not in saved:
+      checkpoints.close()
+      raise configs.FlagsError(
+        f"--checkpoint-dir {config.checkpoint_dir}: {path} is in the way of this run's "
+        f"checkpoint of step {step} (it is not a checkpoint): move it out of "
+        f"{config.checkpoint_dir}, or pass another --checkpoint-dir"
+      )
 
 
 def resume(config: configs.Config, checkpoints, params, opt_state, say) -> tuple[Any, Any, int]:
   """With ``--resume``, the latest checkpoint's parameters and optimizer state and the step after.
 
   Otherwise, or without a checkpoint yet, ``params`` and ``opt_state`` and step 1.
+
+  Raises:
+    configs.FlagsError: if the checkpoints do not fit the flags (another
+      ``--model`` or ``--precision``), or none can be read.
   """
   if not config.resume or checkpoints.latest_step() is None:
     return params, opt_state, 1
-  state = checkpoints.restore()
+  try:
+    state = checkpoints.restore()
+  except ValueError as error:
+    checkpoints.close()
+    raise configs.FlagsError(f"--resume from {config.checkpoint_dir}: {error}") from None
   step = int(state["step"])
   # The checkpoint may come from another device count (a host lost for good): say where it went.
   mesh = ", ".join(f"{name}={size}" for name, size in config.mesh_shape.items())
@@ -157,7 +247,8 @@ def nothing_left(config: configs.Config, checkpoints, first_step: int, say) -> d
   checkpoints.close()
   say(
     f"all --steps {config.steps} are trained (the latest checkpoint is step {first_step - 1}): "
-    f"nothing to do, and {config.out} is left as it is; raise --steps to train further."
+    f"nothing to do, and {config.out} is left as it is; raise --steps to train further (at the "
+    "schedule's final learning rate)."
   )
   return {"first_step": first_step, "train_loss": [], "val_loss": []}
 

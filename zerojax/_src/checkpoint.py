@@ -92,6 +92,11 @@ class CheckpointManager:
     save_interval_steps: int = 1,
     async_save: bool = True,
   ):
+    if not isinstance(spec, StateSpec):
+      raise TypeError(
+        f"CheckpointManager's spec is a zerojax.StateSpec, got {type(spec).__name__}: pass "
+        "zerojax.train_state_spec(tx, params) (the transformation and the full parameters)."
+      )
     self.spec = spec
     self._stored = record_lib.describe(spec.stored)
     self._record = record_lib.layout_record(spec.logical, spec.master_path)

@@ -70,10 +70,11 @@ def open_manager(directory: str | os.PathLike, **options: Any) -> ocp.Checkpoint
   path = epath.Path(os.path.abspath(directory))
   existing = next(p for p in (path, *path.parents) if p.exists())
   if not existing.is_dir():
+    creates = " (CheckpointManager creates it if needed)" * options.get("create", True)
     raise ValueError(
       f"checkpoints go in a directory, but {existing} is a file"
-      f"{'' if existing == path else f' (in the path {path})'}: pass the path of a directory "
-      "(CheckpointManager creates it if needed)."
+      f"{'' if existing == path else f' (in the path {path})'}: pass the path of a "
+      f"directory{creates}."
     )
   if not path.exists() and not options.get("create", True):
     raise FileNotFoundError(f"the checkpoint directory {path} does not exist.")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
+from jax.experimental import multihost_utils
 
 from zerojax._src import layout as layout_lib
 
@@ -57,6 +59,62 @@ def on_mesh(tree: Any, settings: Settings, what: str, fix: str) -> None:
       f"{where} lives on {_shown(found)}, not on this transformation's mesh {_shown(mesh)}: "
       f"{fix}, or build the transformation with that mesh."
     )
+
+
+def in_device_memory(state: Any, settings: Settings) -> None:
+  """Raises if a leaf of ``state`` (a ``ZeroState``) is in host memory where ``settings`` keep it
+  in device memory (a state made with ``offload=``, given to a transformation without)."""
+  for name in state._fields:
+    if name in settings.offload.fields:
+      continue
+    for path, x in jax.tree_util.tree_flatten_with_path(getattr(state, name))[0]:
+      if isinstance(x, Tracer):
+        in_host = jax.typeof(x).memory_space == jax.memory.Space.Host
+      else:
+        in_host = getattr(getattr(x, "sharding", None), "memory_kind", None) in _HOST_KINDS
+      if in_host:
+        raise ValueError(
+          f"opt_state.{name}{jax.tree_util.keystr(path)} is in host memory, but this "
+          f"transformation (offload={settings.offload.mode!r}) keeps it in device memory: "
+          "update the state with the transformation that made it (the same offload=), or "
+          "bring it to device memory first: jax.device_put(opt_state, tx.state_shardings(params))."
+        )
+
+
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def same_on_every_process(tree: Any, what: str, fix: str) -> None:
+  """In a multi-process run, raises unless every process passes ``tree`` with the same structure,
+  shapes and dtypes (one tiny all-gather of a checksum, which has one size on every process,
+  unlike the arrays: a collective of arrays that differ would abort in gloo).
+
+  Raises:
+    ValueError: naming the processes that differ from process 0, and this one's leaves.
+  """
+  if jax.process_count() == 1:
+    return
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  described = [
+    f"{jax.tree_util.keystr(path) or '(root)'}: {np.shape(x)} {np.result_type(x)}"
+    for path, x in leaves
+  ]
+  signature = zlib.crc32(repr((str(treedef), described)).encode())
+  everyone = np.asarray(multihost_utils.process_allgather(np.uint32(signature))).ravel()
+  differ = [int(p) for p in np.flatnonzero(everyone != everyone[0])]
+  if differ:
+    raise ValueError(
+      f"the processes' {what} differ: process(es) {differ} passed another structure, shapes "
+      f"or dtypes than process 0. {fix} Process {jax.process_index()} passed "
+      f"{{{', '.join(described)}}}."
+    )
+
+
+def same_model_on_every_process(params: Any) -> None:
+  """``same_on_every_process`` for the parameters: every process must build the same model."""
+  same_on_every_process(
+    params, "parameters", "Every process must build the same model (the same code, flags, config)."
+  )
 
 
 def _shown(mesh: Any) -> str:

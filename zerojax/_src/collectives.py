@@ -169,7 +169,7 @@ class Shard:
     >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
     >>> def loss_fn(params, x):
     ...   print(type(params["w"]).__name__, params["w"].value.shape)
-    ...   return jnp.sum(x @ zerojax.gather(params["w"]))
+    ...   return jnp.mean(x @ zerojax.gather(params["w"]))
     >>> params = tx.shard({"w": jnp.ones((4, 1024))})
     >>> _ = zerojax.value_and_grad(loss_fn, tx)(params, jnp.ones((8, 4)))
     Shard (4, 128)
@@ -246,7 +246,7 @@ def open_shards(shards: list[Shard]) -> list[jax.Array]:
   elif shards[0].sink is None:
     fulls = comm.gather(group, values)
   else:
-    fulls = comm.read(group, values, [shard.sink for shard in shards])
+    fulls = comm.read(group, values, [shard.sink for shard in shards if shard.sink is not None])
   return [checkpoint_name(full, GATHERED) for full in fulls]
 
 

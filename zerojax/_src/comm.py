@@ -64,7 +64,7 @@ def all_gather(
   its bits, see ``as_bits``); with ``quantization``, its codes and scales
   move instead and are dequantized to ``dtype`` on arrival.
   """
-  if _quantizable(x, quantization):
+  if quantization is not None and _is_real(x):
     return quantize.all_gather(x, axis_name, axis, quantization, dtype)
   if x.dtype == dtype:
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
@@ -79,7 +79,7 @@ def reduce_scatter(
 
   The quantized reduction sums in float32 (or ``x``'s dtype, if wider).
   """
-  if not _quantizable(x, quantization):
+  if quantization is None or not _is_real(x):
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
   return quantize.reduce_scatter(x, axis_name, axis, quantization, _summed_in(x))
 
@@ -88,17 +88,14 @@ def all_reduce(
   x: jax.Array, axis_name: Any, quantization: quantize.Quantization | None = None
 ) -> jax.Array:
   """A ``psum``; with ``quantization``, a quantized reduce-scatter and all-gather."""
-  if not _quantizable(x, quantization):
+  if quantization is None or not _is_real(x):
     return jax.lax.psum(x, axis_name)
   return quantize.all_reduce(x, axis_name, quantization, _summed_in(x))
 
 
-def _quantizable(x: jax.Array, quantization: quantize.Quantization | None) -> bool:
-  """Whether ``x`` moves quantized: ``quantization`` is set and ``x`` is real.
-
-  Complex leaves move unquantized: a block's codes and scale are real numbers.
-  """
-  return quantization is not None and not jnp.issubdtype(x.dtype, jnp.complexfloating)
+def _is_real(x: jax.Array) -> bool:
+  """Whether ``x`` can move quantized. Complex leaves cannot: a block's codes and scale are real."""
+  return not jnp.issubdtype(x.dtype, jnp.complexfloating)
 
 
 def _summed_in(x: jax.Array) -> Any:

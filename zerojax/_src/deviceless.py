@@ -60,7 +60,7 @@ class Target:
     _check_environment(self)
     from jax.experimental import topologies
 
-    if self.platform == "cuda":
+    if self.description is not None:  # a GPU
       config = (_DESCRIPTIONS / self.description).read_text()
       topology = topologies.get_topology_desc(
         platform="cuda", topology=self.topology, target_config=config
@@ -90,17 +90,28 @@ def find_target(target: Target | str) -> Target:
   return TARGETS[target]
 
 
-def environment(target: str, *, scheduler_log: bool = True) -> dict[str, str]:
+#: XLA:GPU compiled without a GPU cannot autotune the tiling of its Triton GEMM fusions (there is
+#: nothing to time them on) and keeps a default one, which its cost model prices at up to 30
+#: times a tuned kernel, differently from one fusion to the next (a GEMM with a fused float32
+#: epilogue, say). cuBLAS GEMMs it prices from their shapes, so XLA's estimates of two setups
+#: compare their schedules rather than their untuned tilings.
+GPU_FLAGS = "--xla_gpu_enable_triton_gemm=false"
+
+
+def environment(target: str, *, scheduler_log: bool = True, xla_flags: str = "") -> dict[str, str]:
   """The environment variables a process compiling for ``target`` must start with.
 
   The compilers read them when they load, on the process's first use of a
-  device: start a new process with them (``XLA_FLAGS`` is yours to add, as on
-  the accelerators' hosts).
+  device: start a new process with them.
 
   Args:
     target: ``"h100x8"``, ``"v5e-8"`` or ``"v5e-64"`` (see ``deviceless_mesh``).
     scheduler_log: on GPU, make XLA log its latency-hiding scheduler's
       statistics (read them with ``capture_stderr`` and ``scheduler_estimate``).
+    xla_flags: ``XLA_FLAGS`` to compile with, as on the accelerator's host. On
+      GPU they come after ``--xla_gpu_enable_triton_gemm=false``: without a GPU
+      to tune them on, Triton GEMMs keep a default tiling that XLA's cost model
+      prices far from a tuned kernel's, so GEMMs compile as cuBLAS calls.
 
   Returns:
     Variables to add to the environment (``subprocess.run(env={**os.environ, **env})``).
@@ -111,12 +122,12 @@ def environment(target: str, *, scheduler_log: bool = True) -> dict[str, str]:
   Example:
     >>> from zerojax.diagnostics import deviceless_environment
     >>> sorted(deviceless_environment("v5e-8"))
-    ['ALLOW_MULTIPLE_LIBTPU_LOAD', 'JAX_PLATFORMS', 'TPU_SKIP_MDS_QUERY']
-    >>> deviceless_environment("h100x8")["CUDA_VISIBLE_DEVICES"]
-    '-1'
+    ['ALLOW_MULTIPLE_LIBTPU_LOAD', 'JAX_PLATFORMS', 'TPU_SKIP_MDS_QUERY', 'XLA_FLAGS']
+    >>> env = deviceless_environment("h100x8", xla_flags="--xla_dump_to=/tmp/hlo")
+    >>> env["CUDA_VISIBLE_DEVICES"], env["XLA_FLAGS"]
+    ('-1', '--xla_gpu_enable_triton_gemm=false --xla_dump_to=/tmp/hlo')
   """
-  target = find_target(target)
-  if target.platform == "cuda":
+  if find_target(target).platform == "cuda":
     env = {
       "JAX_PLATFORMS": "cuda,cpu",
       "CUDA_VISIBLE_DEVICES": "-1",  # there is no GPU to find
@@ -124,18 +135,18 @@ def environment(target: str, *, scheduler_log: bool = True) -> dict[str, str]:
     }
     if scheduler_log:
       env |= {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
-    return env
+    return env | {"XLA_FLAGS": f"{GPU_FLAGS} {xla_flags}".strip()}
   return {
     "JAX_PLATFORMS": "tpu,cpu",
     "TPU_SKIP_MDS_QUERY": "1",  # no cloud metadata server to ask
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # another process may hold libtpu (its lock is per host)
+    "XLA_FLAGS": xla_flags,
   }
 
 
 def _check_environment(target: Target) -> None:
-  missing = {
-    k: v for k, v in environment(target, scheduler_log=False).items() if k != "JAX_PLATFORMS"
-  }
+  needed = environment(target.name, scheduler_log=False).items()
+  missing = {k: v for k, v in needed if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
   wrong = sorted(k for k, v in missing.items() if os.environ.get(k) != v)
   if wrong:
     raise RuntimeError(
@@ -188,11 +199,10 @@ def mesh(
       compiled = jax.jit(step).lower(params, ...).compile()
       compiled.memory_analysis().temp_size_in_bytes  # what an H100 would need
   """
-  target = find_target(target)
-  devices = target.devices()
+  devices = find_target(target).devices()
   if math.prod(shape) != len(devices):
     raise ValueError(
-      f"a mesh of shape {shape} needs {math.prod(shape)} devices; {target.name} has "
+      f"a mesh of shape {shape} needs {math.prod(shape)} devices; {target} has "
       f"{len(devices)}: pass a shape whose product is {len(devices)}."
     )
   return Mesh(np.array(devices).reshape(shape), axis_names, axis_types=axis_types)

@@ -26,6 +26,7 @@ def use_cpu_devices(count: int) -> None:
     count: the number of CPU devices, at least 1.
 
   Raises:
+    TypeError: if ``count`` is not a whole number (an ``int``).
     ValueError: if ``count`` is below 1, or JAX's CPU backend already started
       with another number of devices.
 
@@ -44,7 +45,13 @@ def use_cpu_devices(count: int) -> None:
     ...
     ValueError: JAX's CPU backend already started with 8 devices, so it cannot have 4 ...
   """
-  count = operator.index(count)
+  try:
+    count = operator.index(count)
+  except TypeError:
+    raise TypeError(
+      f"use_cpu_devices takes a whole number of devices, got {count!r} (a "
+      f"{type(count).__name__}): pass an int, e.g. zerojax.distributed.use_cpu_devices(8)."
+    ) from None
   if count < 1:
     raise ValueError(f"use_cpu_devices needs at least 1 device, got {count}.")
   try:

@@ -10,20 +10,20 @@ is needed (``gather_to_host``).
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
+import socket
 import sys
-import zlib
+import threading
 from typing import Any
 
 import jax
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src import checks
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src.zero import ZeroTransformation
@@ -35,9 +35,15 @@ PROCESS_ID = "ZEROJAX_PROCESS_ID"
 #: Optional: the ``heartbeat_timeout`` (seconds) for ``initialize`` calls that do not pass one
 #: (``python -m zerojax.launch --heartbeat-timeout`` sets it).
 HEARTBEAT_TIMEOUT = "ZEROJAX_HEARTBEAT_TIMEOUT"
+#: Optional: the ``initialization_timeout`` (seconds) for ``initialize`` calls that do not pass one.
+INITIALIZATION_TIMEOUT = "ZEROJAX_INITIALIZATION_TIMEOUT"
 
 #: Seconds a process waits for all others to join before failing.
 DEFAULT_INITIALIZATION_TIMEOUT = 300
+#: The exit status of a process whose peers did not all join within ``initialization_timeout``.
+NOT_JOINED_EXIT_CODE = 3
+#: Seconds of waiting to join after which a process says what it waits for.
+_SAY_WAITING_AFTER = 10
 #: Seconds without a heartbeat after which a process counts as dead and every
 #: other process is terminated by the JAX distributed service.
 DEFAULT_HEARTBEAT_TIMEOUT = 60
@@ -56,7 +62,7 @@ def initialize(
   *,
   detect_cluster: bool = False,
   local_device_count: int | None = None,
-  initialization_timeout: int = DEFAULT_INITIALIZATION_TIMEOUT,
+  initialization_timeout: int | None = None,
   heartbeat_timeout: int | None = None,
   collective_timeout: int = DEFAULT_COLLECTIVE_TIMEOUT,
   shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT,
@@ -71,19 +77,24 @@ def initialize(
   them in the environment that SLURM (``srun``), Open MPI or a Cloud TPU pod
   slice sets up.
 
-  Every wait is bounded: joining fails after ``initialization_timeout``; a
-  process that dies or stops (SIGSTOP, a frozen host) is noticed after
+  Every wait is bounded: joining fails after ``initialization_timeout``
+  (a process still waiting after 10 s says on stderr for what and how long; at
+  the timeout it names the process that did not join and exits with status
+  ``NOT_JOINED_EXIT_CODE``, 3, since JAX's own timeout aborts the process
+  from C++); a process that dies or stops (SIGSTOP, a frozen host) is noticed after
   ``heartbeat_timeout`` and the JAX distributed service then terminates every
   other process (instead of leaving them in a collective); a CPU collective
   whose peer is alive but silent fails after ``collective_timeout``
   (``--xla_cpu_collective_timeout_seconds``; GPU and TPU collectives have their
   own). CPU collectives use gloo over TCP.
 
-  A process that dies of an uncaught exception exits at once: JAX's exit-time
-  barrier, where it would otherwise wait up to ``shutdown_timeout`` for the
-  others (which wait for it in a collective), is skipped for it. A launcher
+  A process that dies of an uncaught exception prints its traceback and exits
+  with status 1 at once: neither JAX's exit-time barrier (up to
+  ``shutdown_timeout``) nor a checkpoint save in flight, which would wait for
+  the others while they wait for it in a collective, holds it. A launcher
   (``python -m zerojax.launch``, ``srun --kill-on-bad-exit``) then sees the
-  failure right away.
+  failure right away. One whose collective failed because another process
+  went away says so in one line instead of its traceback.
 
   Args:
     coordinator_address: ``host:port`` of process 0, where the coordination
@@ -94,7 +105,9 @@ def initialize(
       ``jax.distributed.initialize`` detect them (SLURM, Open MPI, Cloud TPU).
     local_device_count: CPU only: how many devices this process fakes (as
       ``--xla_force_host_platform_device_count`` does).
-    initialization_timeout: seconds to wait for every process to join.
+    initialization_timeout: seconds to wait for every process to join;
+      ``None`` reads ``ZEROJAX_INITIALIZATION_TIMEOUT``, or takes
+      ``DEFAULT_INITIALIZATION_TIMEOUT`` (300).
     heartbeat_timeout: seconds of silence after which a process counts as dead;
       ``None`` reads ``ZEROJAX_HEARTBEAT_TIMEOUT``, or takes
       ``DEFAULT_HEARTBEAT_TIMEOUT``.
@@ -136,6 +149,9 @@ def initialize(
   heartbeat_timeout = _from_env(heartbeat_timeout, HEARTBEAT_TIMEOUT, int)
   if heartbeat_timeout is None:
     heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT
+  initialization_timeout = _from_env(initialization_timeout, INITIALIZATION_TIMEOUT, int)
+  if initialization_timeout is None:
+    initialization_timeout = DEFAULT_INITIALIZATION_TIMEOUT
   if local_device_count is not None:
     jax.config.update("jax_num_cpu_devices", local_device_count)
   # Explicit, so that a multi-process CPU run never falls back to no collectives.
@@ -144,39 +160,121 @@ def initialize(
   if _COLLECTIVE_TIMEOUT_FLAG not in xla_flags:
     # Read when the backend starts, which is after this.
     os.environ["XLA_FLAGS"] = f"{xla_flags} {_COLLECTIVE_TIMEOUT_FLAG}={collective_timeout}".strip()
-  jax.distributed.initialize(
-    **given,
-    initialization_timeout=initialization_timeout,
-    heartbeat_timeout_seconds=heartbeat_timeout,
-    shutdown_timeout_seconds=shutdown_timeout,
-  )
+  with _Joining(given, initialization_timeout):
+    jax.distributed.initialize(
+      **given,
+      # Past ours: JAX's own timeout aborts the process without saying who is missing.
+      initialization_timeout=2 * initialization_timeout + 60,
+      heartbeat_timeout_seconds=heartbeat_timeout,
+      shutdown_timeout_seconds=shutdown_timeout,
+    )
   _exit_at_once_on_uncaught_exceptions()
   return True
 
 
-def _exit_at_once_on_uncaught_exceptions() -> None:
-  """Makes a process that dies of an uncaught exception skip JAX's exit-time shutdown barrier.
+class _Joining:
+  """While inside, a process that waits to join says so after a while, and at the timeout names
+  what is missing on stderr and exits with ``NOT_JOINED_EXIT_CODE``.
 
-  At exit JAX disconnects from the distributed service, which waits up to the
-  shutdown timeout for every other process to disconnect too. The others are
-  waiting for this one in a collective, so a crash would otherwise take that
-  long to become an exit status. ``jax._src.api.clean_up`` is that exit hook;
-  if a later JAX moves it, crashes take the slow way again, nothing worse.
+  A thread does it: the main thread is inside JAX's C++ client, which Python cannot interrupt.
   """
+
+  def __init__(self, given: dict[str, Any], timeout: int):
+    self.address = given["coordinator_address"]
+    self.count, self.index = given["num_processes"], given["process_id"]
+    self.timeout = timeout
+    self._timers = [
+      threading.Timer(min(_SAY_WAITING_AFTER, timeout / 2), self._say_waiting),
+      threading.Timer(timeout, self._give_up),
+    ]
+
+  def __enter__(self) -> None:
+    for timer in self._timers:
+      timer.daemon = True
+      timer.start()
+
+  def __exit__(self, *exc_info: Any) -> None:
+    for timer in self._timers:
+      timer.cancel()
+
+  def _say_waiting(self) -> None:
+    _say(
+      f"process {self.index} of {self.count} is waiting for the others to join at "
+      f"{self.address} (up to initialization_timeout={self.timeout} s)."
+    )
+
+  def _give_up(self) -> None:
+    _say(
+      f"process {self.index} of {self.count} waited initialization_timeout={self.timeout} s at "
+      f"{self.address}, and {self.missing()} Start every process with the same coordinator "
+      "address and process count, each with its own process id (python -m zerojax.launch, "
+      "srun, or ZEROJAX_COORDINATOR_ADDRESS / ZEROJAX_NUM_PROCESSES / ZEROJAX_PROCESS_ID), "
+      f"or raise initialization_timeout (ZEROJAX_INITIALIZATION_TIMEOUT). Exiting with status "
+      f"{NOT_JOINED_EXIT_CODE}."
+    )
+    os._exit(NOT_JOINED_EXIT_CODE)
+
+  def missing(self) -> str:
+    """Which process did not join, as far as this one can tell, in words."""
+    others = [p for p in range(self.count) if p != self.index]
+    if self.index != 0 and not _listening(self.address):
+      return f"process 0, the coordinator, never started there (nothing listens at {self.address})."
+    if len(others) == 1:
+      return f"process {others[0]} never joined."
+    return f"not all of processes {', '.join(map(str, others))} joined."
+
+
+def _listening(address: str) -> bool:
+  """Whether something accepts TCP connections at ``host:port``."""
+  host, _, port = address.rpartition(":")
   try:
-    from jax._src import api as jax_api
-  except ImportError:
-    return
-  clean_up = getattr(jax_api, "clean_up", None)
-  if clean_up is None:
-    return
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+      return True
+  except (OSError, ValueError):
+    return False
+
+
+def _say(message: str) -> None:
+  print(f"zerojax.distributed.initialize: {message}", file=sys.stderr, flush=True)
+
+
+def _exit_at_once_on_uncaught_exceptions() -> None:
+  """Makes a process that dies of an uncaught exception exit at once, with status 1.
+
+  Python's own exit would wait first for threads that wait for the other
+  processes, which wait for this one in a collective: Orbax's background
+  checkpoint commit (which then fails, ``cannot schedule new futures after
+  shutdown``, and prints two long tracebacks), and JAX's exit-time barrier
+  with the distributed service (up to the shutdown timeout). A crash would
+  then take that long, or forever, to become an exit status. A save that was
+  in flight is abandoned, as in any crash: it was not committed, and the
+  checkpoints before it are whole.
+
+  A process whose collective failed because another process went away says
+  so in one line instead of its traceback, which only repeats that: the
+  process that failed first prints the cause.
+  """
   previous = sys.excepthook
 
-  def excepthook(*exc_info):
-    previous(*exc_info)
-    atexit.unregister(clean_up)
+  def excepthook(kind, error, traceback):
+    if any(sign in str(error) for sign in _PEER_LOST):
+      first = str(error).strip().splitlines()[0]
+      print(
+        f"zerojax: process {jax.process_index()} stopped: a collective lost another process "
+        f"({kind.__name__}: {first}); the process that failed first says why.",
+        file=sys.stderr,
+      )
+    else:
+      previous(kind, error, traceback)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
   sys.excepthook = excepthook
+
+
+#: What gloo's errors say when the process at the other end of a collective went away.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 _ENV_NAMES = {
@@ -243,8 +341,10 @@ def global_batch(
     >>> x.shape, x.sharding.spec
     ((16, 4), P('data',))
   """
-  if check_processes and jax.process_count() > 1:
-    _check_same_on_every_process(local_batch)
+  if check_processes:
+    checks.same_on_every_process(
+      local_batch, "local batches", "Every process must pass its equal share of the global batch."
+    )
   shards = _local_shard_count(mesh, axis_name)
   for path, x in jax.tree_util.tree_flatten_with_path(local_batch)[0]:
     shape = np.shape(x)
@@ -277,23 +377,6 @@ def _local_shard_count(mesh: Mesh, axis_name: str | tuple[str, ...]) -> int:
       "devices, e.g. jax.make_mesh((jax.device_count(),), ('data',))."
     )
   return len(positions)
-
-
-def _check_same_on_every_process(local_batch: Any) -> None:
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(local_batch)
-  described = [
-    f"{jax.tree_util.keystr(path) or '(root)'}: {np.shape(x)} {np.result_type(x)}"
-    for path, x in leaves
-  ]
-  signature = zlib.crc32(repr((str(treedef), described)).encode())
-  everyone = np.asarray(multihost_utils.process_allgather(np.uint32(signature))).ravel()
-  differ = [int(p) for p in np.flatnonzero(everyone != everyone[0])]
-  if differ:
-    raise ValueError(
-      f"the processes' local batches differ: process(es) {differ} passed another "
-      "structure, shapes or dtypes than process 0. Every process must pass its equal share "
-      f"of the global batch. Process {jax.process_index()} passed {{{', '.join(described)}}}."
-    )
 
 
 #: Leaves bigger than this are gathered a block of leading rows at a time.

@@ -76,8 +76,8 @@ def _check(
     ("replicas", replicas),
     ("tensor_parallel", tensor_parallel),
   ):
-    if value < 1:
-      raise ValueError(f"{name} must be at least 1, got {value}.")
+    if not hasattr(value, "__index__") or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name} must be a whole number, at least 1, got {value!r}.")
   return stages.of(stage)
 
 

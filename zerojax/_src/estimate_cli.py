@@ -320,10 +320,12 @@ def main(argv: Sequence[str] | None = None) -> str | None:
     parser.error(str(error))
   mesh = ""
   if args.replicas > 1 or args.tensor_parallel > 1:
-    mesh = (
-      f"{args.replicas} replica(s) x data x {args.tensor_parallel}-way tensor parallelism "
-      "(every parameter counted as split over it).\n"
-    )
+    axes = [f"{args.replicas} replica(s)"] * (args.replicas > 1) + ["data (the rows)"]
+    if args.tensor_parallel > 1:
+      axes.append(
+        f"{args.tensor_parallel}-way tensor parallelism (every parameter counted as split over it)"
+      )
+    mesh = f"Mesh: {' x '.join(axes)}.\n"
   memory = lambda offload: table(
     args.params,
     args.devices,

@@ -198,8 +198,9 @@ def export_safetensors(
     ``{name: jax.ShapeDtypeStruct}`` of the tensors written.
 
   Raises:
-    ValueError: for a dtype safetensors cannot hold, or two parameters whose
-      keys join to the same name.
+    ValueError: for a dtype safetensors cannot hold, two parameters whose keys
+      join to the same name, or a ``path`` that is a directory or whose
+      directory does not exist (checked before anything is read).
 
   Example:
     >>> import os, tempfile, jax, jax.numpy as jnp, optax, zerojax
@@ -214,6 +215,7 @@ def export_safetensors(
 
     From a shell: ``python -m zerojax.export CHECKPOINT_DIR model.safetensors``.
   """
+  check_output(path)
   with _master_leaves(directory, step) as (leaves, read, _):
     # The header, which lists every tensor's offsets, comes first; the layout
     # record gives the shapes, so the data can follow leaf by leaf.
@@ -254,6 +256,19 @@ def export_safetensors(
   return tensors
 
 
+def check_output(path: str | os.PathLike) -> None:
+  """Raises a ``ValueError`` unless ``path`` can be written as a file: not a directory, in one."""
+  path = os.path.abspath(path)
+  if os.path.isdir(path):
+    raise ValueError(
+      f"{path} is a directory; name the .safetensors file to write, e.g. "
+      f"{os.path.join(path, 'model.safetensors')}."
+    )
+  parent = os.path.dirname(path)
+  if not os.path.isdir(parent):
+    raise ValueError(f"{parent} does not exist (or is not a directory): create it first.")
+
+
 def _little_endian(array: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
 
@@ -285,6 +300,10 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("output", help="the .safetensors file to write")
   parser.add_argument("--step", type=int, default=None, help="which checkpoint (the latest)")
   args = parser.parse_args(argv)
+  try:
+    check_output(args.output)
+  except ValueError as error:
+    parser.error(str(error))
   try:
     tensors = export_safetensors(args.checkpoint_dir, args.output, step=args.step)
   except (OSError, ValueError) as error:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax._src import checks, ordering
+from zerojax._src import batch_mean, checks, ordering
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import zero as zero_lib
@@ -60,7 +61,9 @@ def value_and_grad(
 
   Args:
     loss_fn: ``loss_fn(params, *batch)`` returning a scalar loss (the mean over
-      its batch slice), or ``(loss, aux)`` with ``has_aux=True``.
+      its batch slice), or ``(loss, aux)`` with ``has_aux=True``. A loss that
+      sums over its slice instead gets a ``UserWarning``: the result would be
+      1/N of ``jax.value_and_grad``'s on the whole batch.
     tx: the ``ZeroTransformation`` that will apply the gradients.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     microbatches: how many micro-batches each device's slice of the batch is
@@ -112,7 +115,14 @@ class _ValueAndGrad:
     self.has_aux = has_aux
     self.microbatches = microbatches
 
-  def __call__(self, params, *batch, opt_state=None):
+  def __call__(self, params, *batch, opt_state=None, **keywords):
+    if keywords:
+      raise TypeError(
+        f"the function value_and_grad returns takes the batch as positional arguments, "
+        f"f(params, *batch), which it splits over the devices; got keyword argument(s) "
+        f"{', '.join(map(repr, keywords))}: pass them in loss_fn's order, e.g. "
+        "f(params, x, y) (opt_state= is its only keyword)."
+      )
     settings = self.settings
     plans = self.optimizer.plans(params)
     checks.params(params, plans.params, settings)
@@ -154,8 +164,9 @@ class _ValueAndGrad:
       grads, (loss, aux) = jax.grad(local_loss, has_aux=True)(differentiable, *chunk)
       return loss, aux, routed(lambda route, leaf, g: route.accumulable(leaf, g, settings), grads)
 
-    loss, aux, grads = _accumulate(micro_step, batch, self.microbatches, settings.batch_axes)
     divisor = settings.num_shards * settings.num_replicas * self.microbatches
+    self._warn_if_summed(lambda *chunk: local_loss(differentiable, *chunk)[1], batch, divisor)
+    loss, aux, grads = _accumulate(micro_step, batch, self.microbatches, settings.batch_axes)
 
     def mean(leaf, grad):
       grad = grad.astype(leaf.dtype) / divisor
@@ -165,17 +176,43 @@ class _ValueAndGrad:
     grads = plans.sharded.map(mean, finished)
     return jax.lax.pmean(loss, settings.batch_axes), aux, grads
 
+  def _warn_if_summed(self, loss, batch, divisor: int) -> None:
+    """Warns if ``loss`` sums over its micro-batch, which the mean over ``divisor`` of them
+    would shrink by ``divisor`` (``batch_mean.looks_summed``)."""
+    leaves = jax.tree.leaves(batch)
+    if divisor == 1 or not leaves:
+      return
+    if not batch_mean.looks_summed(loss, batch, leaves[0].shape[0] // self.microbatches):
+      return
+    warnings.warn(
+      f"zerojax.value_and_grad: loss_fn's loss looks like a sum over its batch, not a mean "
+      "(no constant in it changes with the batch size, as jnp.mean's divisor does, and it "
+      "divides by nothing computed from the batch). value_and_grad returns the mean of the "
+      f"losses of the {divisor} devices and micro-batches, each on its slice, so a sum comes "
+      f"out 1/{divisor} of jax.value_and_grad's on the whole batch, and so do the gradients. "
+      "Average over the batch (jnp.mean), or multiply a sum you mean by the number of "
+      "devices x micro-batches.",
+      stacklevel=5,
+    )
+
   def _call_loss(self, params, *chunk):
     """``(loss, aux)`` from ``loss_fn``, with a clear error for a result of the wrong shape."""
     result = self.loss_fn(params, *chunk)
-    if not self.has_aux:
-      return result, None
-    if not (isinstance(result, tuple | list) and len(result) == 2):
+    if self.has_aux and not (isinstance(result, tuple | list) and len(result) == 2):
       raise ValueError(
         f"value_and_grad(..., has_aux=True) expects loss_fn to return (loss, aux), but it "
         f"returned {_describe(result)}: return a pair, or drop has_aux=True."
       )
-    return tuple(result)
+    loss, aux = result if self.has_aux else (result, None)
+    loss = jnp.asarray(loss)
+    if jnp.shape(loss) != ():
+      rows = jax.tree.leaves(chunk)[0].shape[0] if jax.tree.leaves(chunk) else 0
+      raise TypeError(
+        f"value_and_grad needs loss_fn to return a scalar loss, the mean over its slice of the "
+        f"batch, but it returned {_describe(loss)} on one device's slice of {rows} rows: "
+        "reduce it (jnp.mean over the batch)."
+      )
+    return loss, aux
 
   def _loss_scale(self, opt_state: Any) -> jax.Array | None:
     """The current loss scale, from the optimizer state, if the policy scales the loss."""

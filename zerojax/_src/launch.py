@@ -1,4 +1,4 @@
-"""A local launcher: N CPU processes of one script on loopback, stopped together, restarted.
+"""A local launcher: N processes of one script on loopback, stopped together, restarted.
 
 For development and tests only: on a cluster, the cluster's own launcher
 (``srun``, ``gcloud ... --worker=all``) starts the processes and
@@ -22,17 +22,21 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, TextIO
 
 from zerojax._src import distributed, preemption
+from zerojax._src import placement as placement_lib
 
 #: Environment variable: which attempt this is, 1 for the first start, 2 after one restart, ...
 ATTEMPT = "ZEROJAX_ATTEMPT"
 #: Seconds between SIGTERM and SIGKILL when stopping processes.
 DEFAULT_GRACE_PERIOD = 5.0
 _POLL_SECONDS = 0.05
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 #: With ``min_processes``: a process that ended this many attempts in a row counts as lost.
 DROP_AFTER = 2
 #: What gloo prints on stdout for every group of processes it connects: noise, unless asked for.
-_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+#: Two threads of a process may print it at once, each line cut into the other.
+_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank|is connected to \d+ peer ranks")
+#: The exit status of a usage error (argparse's, Python's for a script it cannot open): a
+#: restart would repeat it.
+USAGE_EXIT_CODE = 2
 
 
 def free_port() -> int:
@@ -48,16 +52,24 @@ def process_env(
   process_id: int,
   num_processes: int,
   coordinator_address: str,
-  devices_per_process: int | None,
+  placement: placement_lib.Placement,
 ) -> dict[str, str]:
   """The environment of one launched process: ``base`` plus where to find the others.
 
   Example:
+    >>> from zerojax._src.placement import Placement
     >>> env = process_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
     ...                   process_id=1, num_processes=2, coordinator_address="127.0.0.1:1234",
-    ...                   devices_per_process=4)
+    ...                   placement=Placement("cpu", devices_per_process=4))
     >>> env["ZEROJAX_PROCESS_ID"], env["XLA_FLAGS"], env["JAX_PLATFORMS"]
     ('1', '--xla_force_host_platform_device_count=4', 'cpu')
+
+    On a host with GPUs, one each, and no platform forced:
+
+    >>> env = process_env({}, process_id=1, num_processes=2, coordinator_address="127.0.0.1:1234",
+    ...                   placement=Placement("gpu", gpus=("0", "1")))
+    >>> env["CUDA_VISIBLE_DEVICES"], "JAX_PLATFORMS" in env
+    ('1', False)
   """
   env = dict(base)
   env.update(
@@ -65,15 +77,10 @@ def process_env(
       distributed.COORDINATOR_ADDRESS: coordinator_address,
       distributed.NUM_PROCESSES: str(num_processes),
       distributed.PROCESS_ID: str(process_id),
-      "JAX_PLATFORMS": "cpu",
       "PYTHONUNBUFFERED": "1",
     }
   )
-  if devices_per_process is not None:
-    # Replace, not append to, a device count inherited from the parent (a test
-    # process forcing 8 devices must not give each child 8).
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={devices_per_process}"])
+  env.update(placement.env(process_id, base))
   return env
 
 
@@ -140,6 +147,7 @@ def launch(
   *,
   num_processes: int,
   devices_per_process: int | None = None,
+  platform: str | None = None,
   max_restarts: int = 0,
   min_processes: int | None = None,
   heartbeat_timeout: int | None = None,
@@ -154,8 +162,10 @@ def launch(
   Each process gets ``ZEROJAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free
   port), ``ZEROJAX_NUM_PROCESSES`` and ``ZEROJAX_PROCESS_ID``, which
   ``initialize`` reads, ``ZEROJAX_ATTEMPT`` (1, then 2 after the first
-  restart, ...), and ``JAX_PLATFORMS=cpu`` with ``devices_per_process`` CPU
-  devices. Their output is streamed line by line, each line prefixed with
+  restart, ...), and its devices: on a host with GPUs one each
+  (``CUDA_VISIBLE_DEVICES``), on a TPU host (one process) all of them,
+  elsewhere ``JAX_PLATFORMS=cpu`` with ``devices_per_process`` CPU devices
+  (see ``platform``). Their output is streamed line by line, each line prefixed with
   ``[p<id>] ``, but for gloo's ``[Gloo] Rank N is connected to ...`` lines
   (each process prints them as it connects to the others) unless ``verbose``.
   As soon as one process fails (non-zero exit or a signal), or ``timeout``
@@ -167,7 +177,10 @@ def launch(
 
   Restarts: after a failure the whole group is started again with the same
   command, up to ``max_restarts`` times; the script resumes from its latest
-  checkpoint. A process that exits with ``zerojax.distributed.PREEMPTED_EXIT_CODE`` (75)
+  checkpoint. A process that exits with 2 (``USAGE_EXIT_CODE``: argparse's
+  status for a mistake in the arguments, Python's for a script it cannot open)
+  ends the job without a restart, which would only repeat the mistake. A
+  process that exits with ``zerojax.distributed.PREEMPTED_EXIT_CODE`` (75)
   was preempted and saved: the others get ``grace_period`` seconds to do the
   same, and if they all do, the group is restarted without counting against
   ``max_restarts`` (a preemption is not a fault of the job, and on preemptible
@@ -193,8 +206,11 @@ def launch(
     command: the program and its arguments, e.g. ``[sys.executable, "train.py"]``.
     num_processes: how many processes to start.
     devices_per_process: CPU devices each process fakes
-      (``--xla_force_host_platform_device_count``); ``None`` keeps the
-      inherited ``XLA_FLAGS``.
+      (``--xla_force_host_platform_device_count``), which means the CPU;
+      ``None`` keeps the inherited ``XLA_FLAGS``.
+    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; ``None`` takes the host's
+      accelerators as their drivers show them (``/dev/nvidia<N>``,
+      ``/dev/accel<N>``), else the CPU. Nothing else forces a platform.
     max_restarts: how many times to restart the group after a failure.
     min_processes: go on without a lost process while at least this many
       remain (``None``: never go on without one, restart the whole group).
@@ -219,8 +235,10 @@ def launch(
 
   Raises:
     ValueError: if ``num_processes``, ``devices_per_process`` or
-      ``heartbeat_timeout`` is below 1, ``max_restarts`` below 0, or
-      ``min_processes`` not between 1 and ``num_processes``.
+      ``heartbeat_timeout`` is below 1, ``max_restarts`` or ``grace_period``
+      below 0, ``timeout`` not above 0, or ``min_processes`` not between 1 and
+      ``num_processes``; or if the processes do not fit the host's devices
+      (more than its GPUs, more than one on a TPU host).
 
   Example:
     >>> import io, sys
@@ -250,10 +268,21 @@ def launch(
     True
   """
   problem = _check(
-    num_processes, devices_per_process, max_restarts, heartbeat_timeout, min_processes
+    num_processes,
+    devices_per_process,
+    max_restarts,
+    heartbeat_timeout,
+    min_processes,
+    timeout=timeout,
+    grace_period=grace_period,
   )
   if problem:
     raise ValueError(f"{problem}.")
+  accelerators = placement_lib.local_accelerators()
+  place = lambda count: placement_lib.place(
+    count, devices_per_process, platform, os.environ, accelerators
+  )
+  place(num_processes)  # refused now rather than at the first start
   stdout = stdout or sys.stdout
   stderr = stderr or sys.stderr
   lock = threading.Lock()
@@ -274,7 +303,7 @@ def launch(
       env = {**base_env, ATTEMPT: str(attempt)}
       group = _Group(command, env, stdout, stderr, lock, hide=None if verbose else _GLOO_CONNECTED)
       try:
-        group.start(policy.num_processes, devices_per_process)
+        group.start(policy.num_processes, place(policy.num_processes))
         say(
           f"attempt {attempt}: started {policy.num_processes} process(es) (pids "
           f"{', '.join(str(p.pid) for p in group.processes)}); "
@@ -298,6 +327,9 @@ def _check(
   heartbeat_timeout: int | None,
   min_processes: int | None,
   name: Callable[[str], str] = str,
+  *,
+  timeout: float | None = None,
+  grace_period: float = DEFAULT_GRACE_PERIOD,
 ) -> str | None:
   """The first thing wrong with the launcher's arguments, each called ``name(argument)``."""
   for argument, value, least in [
@@ -305,9 +337,12 @@ def _check(
     ("max_restarts", max_restarts, 0),
     ("devices_per_process", devices_per_process, 1),
     ("heartbeat_timeout", heartbeat_timeout, 1),
+    ("grace_period", grace_period, 0),
   ]:
     if value is not None and value < least:
-      return f"{name(argument)} must be at least {least}, got {value}"
+      return f"{name(argument)} must be at least {least}, got {value:g}"
+  if timeout is not None and not timeout > 0:
+    return f"{name('timeout')} must be above 0, got {timeout:g}"
   if min_processes is not None and not 1 <= min_processes <= num_processes:
     return (
       f"{name('min_processes')} must be between 1 and {name('num_processes')} "
@@ -342,6 +377,13 @@ class _Restarts:
         "--max-restarts."
       )
       return True
+    if outcome.kind == "failed" and outcome.status == USAGE_EXIT_CODE:
+      self.say(
+        f"not restarting: attempt {attempt} exited with {USAGE_EXIT_CODE}, a usage error (the "
+        "script's arguments, or a script Python cannot open), which every restart would repeat; "
+        f"fix the command. Exit status {USAGE_EXIT_CODE}."
+      )
+      return False
     if outcome.kind == "failed":
       self.suspect.failed(outcome.culprit, attempt)
     if self.min_processes is not None and self.suspect.lost():
@@ -397,7 +439,7 @@ class _Group:
     self.exit_order: list[int] = []
     self._readers: list[threading.Thread] = []
 
-  def start(self, num_processes: int, devices_per_process: int | None) -> None:
+  def start(self, num_processes: int, placement: placement_lib.Placement) -> None:
     coordinator = f"127.0.0.1:{free_port()}"  # a fresh one: the last may linger in TIME_WAIT
     for process_id in range(num_processes):
       env = process_env(
@@ -405,7 +447,7 @@ class _Group:
         process_id=process_id,
         num_processes=num_processes,
         coordinator_address=coordinator,
-        devices_per_process=devices_per_process,
+        placement=placement,
       )
       # Own session: a Ctrl-C in the terminal reaches the launcher only, which
       # forwards it, and stopping a session also stops what the process started.
@@ -582,7 +624,7 @@ def _stream(
   pipe: TextIO, sink: TextIO, prefix: str, lock: threading.Lock, hide: re.Pattern | None
 ) -> None:
   for line in pipe:
-    if hide is not None and hide.match(line):
+    if hide is not None and hide.search(line):
       continue
     with lock:
       sink.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
@@ -634,13 +676,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.heartbeat_timeout,
     args.min_processes,
     name=lambda argument: "--" + argument.replace("_", "-"),
+    timeout=args.timeout,
+    grace_period=args.grace_period,
   )
   if problem:
     parser.error(problem)
+  if not os.path.isfile(args.script):
+    parser.error(f"{args.script}: no such script (every process would run python {args.script})")
+  try:
+    placement_lib.place(args.num_processes, args.devices_per_process, args.platform)
+  except ValueError as error:
+    parser.error(str(error).replace("devices_per_process", "--devices-per-process"))
   return launch(
     [sys.executable, args.script, *args.args],
     num_processes=args.num_processes,
     devices_per_process=args.devices_per_process,
+    platform=args.platform,
     max_restarts=args.max_restarts,
     min_processes=args.min_processes,
     heartbeat_timeout=args.heartbeat_timeout,
@@ -655,7 +706,8 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog="python -m zerojax.launch",
     description="Run N processes of a Python script as one multi-process JAX job on this "
-    "machine (CPU devices, loopback, gloo collectives). Every output line is prefixed with "
+    "machine: one GPU each on a host with GPUs, the TPUs of a TPU host (one process), else "
+    "CPU devices with gloo collectives; loopback between them. Every output line is prefixed with "
     "[p<process id>]; if any process fails, the others are stopped and, with --max-restarts, "
     "the whole group is started again; the exit status is the last attempt's.",
   )
@@ -664,7 +716,13 @@ def _parser() -> argparse.ArgumentParser:
     "--devices-per-process",
     type=int,
     default=None,
-    help="CPU devices per process (default: whatever XLA_FLAGS already gives)",
+    help="CPU devices per process, on the CPU (default: whatever XLA_FLAGS already gives)",
+  )
+  parser.add_argument(
+    "--platform",
+    choices=placement_lib.PLATFORMS,
+    help="what the processes compute on (default: the host's GPUs or TPUs, as /dev shows "
+    "them, else the CPU)",
   )
   parser.add_argument(
     "--max-restarts",
@@ -672,7 +730,8 @@ def _parser() -> argparse.ArgumentParser:
     default=0,
     help="restart the whole group after a failure up to this many times (default %(default)s); "
     f"a group whose processes exit with {preemption.PREEMPTED_EXIT_CODE} (preempted, after "
-    "saving) is restarted without counting",
+    f"saving) is restarted without counting, one that exits with {USAGE_EXIT_CODE} (a usage "
+    "error) is not restarted",
   )
   parser.add_argument(
     "--min-processes",

@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax._src import checks, comm
 from zerojax._src import mesh as mesh_lib
@@ -48,13 +49,17 @@ class ShardedOptimizer:
     plans = self.plans(params)
     if plans.master is not None:
       checks.full_precision(params, plans.sharded)
+    if not mesh_lib.is_traced(params):
+      checks.same_model_on_every_process(params)
     with mesh_lib.set_mesh_unless_traced(self.settings.mesh, params):
       return self._init(params, plans=plans)
 
   def update(self, updates, state, params=None, **extra_args):
+    updates = _onto_mesh(self.settings.mesh, updates)
     plans = self.plans(updates if params is None else params)
     check_policy(state, master=plans.master is not None, loss_scaled=plans.loss_scaled)
     checks.shapes(state.inner_state, plans.state, "optimizer state")
+    checks.in_device_memory(state, self.settings)
     for what, tree in (("updates", updates), ("opt_state", state), ("params", params)):
       checks.on_mesh(tree, self.settings, what, "place them with this transformation")
     if plans.master is not None and params is None:
@@ -130,6 +135,17 @@ class ShardedOptimizer:
       updates, state, params
     )
     return new_updates, settings.offload.store(new_state)
+
+
+def _onto_mesh(mesh: Mesh, updates: Any) -> Any:
+  """``updates`` with each leaf committed to a single device (``jax.grad`` of unplaced
+  parameters, say) replicated on ``mesh`` instead, so that the update can place it."""
+  on_one_device = lambda x: (
+    isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding)
+    and getattr(x, "committed", False)
+  )
+  replicated = NamedSharding(mesh, P())
+  return jax.tree.map(lambda x: jax.device_put(x, replicated) if on_one_device(x) else x, updates)
 
 
 def _master(mesh: Mesh, plans: Plans, state: ZeroState, params: Any) -> Any:

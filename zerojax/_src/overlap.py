@@ -25,6 +25,8 @@ _COMPUTE = frozenset({"dot", "convolution"})
 _GATHERS = frozenset({"all-gather"})
 _REDUCTIONS = frozenset({"reduce-scatter", "all-to-all"})
 _COLLECTIVES = frozenset({"all-gather", "reduce-scatter", "all-to-all", "all-reduce"})
+#: The custom calls that compute: GPU library matmuls and convolutions (``__cublas$lt$matmul``).
+_LIBRARY_COMPUTE = re.compile(r"cublas|cudnn|gemm|matmul|conv", re.IGNORECASE)
 #: How XLA:TPU names the fusions that start and finish an asynchronous collective.
 _TPU_START, _TPU_DONE = "async-collective-start", "async-collective-done"
 
@@ -132,6 +134,9 @@ def loop_collectives(hlo: str | jax.stages.Compiled) -> list[LoopCollectives]:
 
 
 def _computes(instruction, computes) -> bool:
+  if instruction.opcode == "custom-call":  # cuBLAS and cuDNN matmuls and convolutions on GPU
+    target = re.search(r'custom_call_target="([^"]*)"', instruction.attributes)
+    return bool(target and _LIBRARY_COMPUTE.search(target.group(1)))
   return instruction.opcode in _COMPUTE or any(computes(c) for c in _callees(instruction))
 
 

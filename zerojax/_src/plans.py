@@ -39,6 +39,19 @@ class Plans(NamedTuple):
     """Unpads leaves given in stored shape; leaves already in logical shape pass."""
     return self.sharded.map(_to_logical, tree)
 
+  def as_stored(self, tree: Any) -> Any:
+    """Each leaf in the stored parameters' shape: padded from its logical shape, or as it is if
+    it has that shape already (placed parameters keep their padding: slicing it off and putting
+    it back would split a dimension unevenly, which explicit mesh axes refuse)."""
+    index = jax.tree.unflatten(self.params.treedef, range(len(self.params.leaves)))
+
+    def stored(leaf: layout_lib.LeafLayout, i: int, x: Any) -> Any:
+      if tuple(np.shape(x)) == leaf.stored_shape:
+        return x
+      return leaf.pad(_to_logical(self.sharded.leaves[i], x))
+
+    return self.params.map(stored, index, tree)
+
   def to_master(self, tree: Any) -> Any:
     """Logical shape, master dtype."""
     return self.sharded.map(lambda leaf, x: _to_logical(leaf, x).astype(leaf.dtype), tree)

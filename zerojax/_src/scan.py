@@ -179,8 +179,8 @@ class _Stack(NamedTuple):
 
   def x(self, weights: list[jax.Array], others: list[Any]) -> Any:
     """One layer's ``x`` for ``f``: the weights where the shards were, the rest as given."""
-    weights, others = iter(weights), iter(others)
-    leaves = [next(weights) if i in self.shards else next(others) for i in range(self.size)]
+    opened, rest = iter(weights), iter(others)
+    leaves = [next(opened) if i in self.shards else next(rest) for i in range(self.size)]
     return jax.tree.unflatten(self.treedef, leaves)
 
   @property

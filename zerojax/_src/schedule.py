@@ -134,7 +134,7 @@ def scheduler_estimate(log: str, hlo: str | jax.stages.Compiled) -> StepEstimate
     >>> estimate.cycles, estimate.wasted, [(c.name, c.executions) for c in estimate.loops]
     (160.0, 15.0, [('body', 3)])
   """
-  text = hlo if isinstance(hlo, str) else hlo.as_text()
+  text = hlo_lib.text_of(hlo)
   module = re.match(r"HloModule ([\w.\-]+)", text)
   module_name = module.group(1) if module else None
   computations, entry = hlo_lib.parse_module(text)

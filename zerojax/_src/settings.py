@@ -125,6 +125,11 @@ def resolve(
       f"zero{stage} wraps an optax.GradientTransformation, got {type(inner).__name__}; "
       "pass e.g. optax.adamw(1e-3)."
     )
+  if isinstance(min_shard_size, bool) or not hasattr(min_shard_size, "__index__"):
+    raise ValueError(
+      f"min_shard_size must be an int (the fewest elements a leaf needs to be split), got "
+      f"{min_shard_size!r}; e.g. min_shard_size={layout_lib.DEFAULT_MIN_SHARD_SIZE}."
+    )
   quantize.check_stage(stage, quantized_weights)
   mesh = mesh_lib.resolve_mesh(mesh, axis_name, replica_axis)
   hpz.resolve(stage, axis_name, secondary_axis, mesh)

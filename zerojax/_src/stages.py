@@ -130,6 +130,7 @@ class _ScatteredInBackward(_ScatteredInLoss):
   name = "scattered_in_backward"
 
   def differentiable(self, leaf, param, settings):
+    assert leaf.dim is not None  # route_of gives replicated leaves another route
     shape = list(leaf.stored_shape)
     shape[leaf.dim] //= settings.num_shards
     return _per_device(np.zeros(shape, leaf.dtype), settings.batch_axes)

@@ -19,10 +19,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from zerojax._src import checks, quantize
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import precision as precision_lib
-from zerojax._src import quantize
 from zerojax._src import settings as settings_lib
 from zerojax._src.optimizer import ShardedOptimizer
 from zerojax._src.state import ZeroState, fresh_loss_scale_and_counters
@@ -156,11 +156,12 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     constraint.
     """
     plans = self._optimizer.plans(params)
+    store = lambda tree: plans.as_stored(plans.params.map(_cast, tree))
     if mesh_lib.is_traced(params):
-      store = lambda tree: plans.params.map(_stored, plans.to_logical(tree))
       return mesh_lib.global_view(self.mesh, store, plans.params.specs())(params)
+    checks.same_model_on_every_process(params)
     place = lambda leaf, x: jax.device_put(x, NamedSharding(self.mesh, leaf.partition_spec))
-    return plans.params.map(lambda leaf, x: place(leaf, _stored(leaf, x)), plans.to_logical(params))
+    return plans.params.map(place, store(params))
 
   def gather(self, params: optax.Params) -> optax.Params:
     """Full, unpadded parameters, replicated over the data axis (for evaluation and export).
@@ -258,9 +259,9 @@ def unwrap(tx: Any) -> ShardedOptimizer:
   )
 
 
-def _stored(leaf: layout_lib.LeafLayout, x: Any) -> Any:
-  """A leaf cast to its stored dtype and padded (host arrays stay on the host)."""
-  return leaf.pad(x if np.dtype(x.dtype) == leaf.dtype else x.astype(leaf.dtype))
+def _cast(leaf: layout_lib.LeafLayout, x: Any) -> Any:
+  """A leaf cast to its stored dtype (host arrays stay on the host)."""
+  return x if np.dtype(x.dtype) == leaf.dtype else x.astype(leaf.dtype)
 
 
 def zero1(
