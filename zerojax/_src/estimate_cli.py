@@ -213,12 +213,20 @@ def hpz_table(
           64           1.88           1.88          45.00          16.88          30.00
   """
   columns = ("zero3 memory", "+ secondary", "zero3 moves", "hpZ, across", "hpZ, inside")
-  quantized = dict(
-    quantized_weights=quantized_weights,
-    quantized_gradients=quantized_gradients,
-    quantization_block_size=block_size,
-  )
-  sizes = dict(replicas=replicas, param_bytes=param_bytes, grad_bytes=grad_bytes)
+
+  def communication(num_devices: int, secondary_devices: int | None):
+    return estimate_communication(
+      num_params,
+      num_devices=num_devices,
+      stage=3,
+      quantized_weights=quantized_weights,
+      quantized_gradients=quantized_gradients,
+      quantization_block_size=block_size,
+      replicas=replicas,
+      param_bytes=param_bytes,
+      grad_bytes=grad_bytes,
+      secondary_devices=secondary_devices,
+    )
 
   def row(n):
     if n % secondary or n == secondary:
@@ -227,14 +235,13 @@ def hpz_table(
       num_params,
       num_devices=n,
       stage=3,
+      replicas=replicas,
+      param_bytes=param_bytes,
+      grad_bytes=grad_bytes,
       state_bytes=state_bytes,
       secondary_devices=secondary,
-      **sizes,
     )
-    plain = estimate_communication(num_params, num_devices=n, stage=3, **sizes, **quantized)
-    hpz = estimate_communication(
-      num_params, num_devices=n, stage=3, secondary_devices=secondary, **sizes, **quantized
-    )
+    plain, hpz = communication(n, None), communication(n, secondary)
     inside = hpz.secondary_gathers
     cells = (memory.total, memory.secondary, plain.total, hpz.total - inside, inside)
     return [f"{gigabytes / 1e9:.2f}" for gigabytes in cells]
