@@ -34,6 +34,18 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import mlp
+import numpy as np
+import optax
+import setups as setups_lib
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+from zerojax._src import deviceless
+
 #: Set in the compiling process that ``--target`` starts.
 _TARGET_PROCESS = "ZEROJAX_HPZ_BENCHMARK_TARGET"
 
@@ -69,15 +81,16 @@ def main() -> None:
   parser.add_argument("--target", help="compile for this accelerator (h100x8), deviceless")
   parser.add_argument("--path", choices=("gather", "scan"), default="gather")
   parser.add_argument("--layers", type=int, default=8)
-  parser.add_argument("--d-model", type=int, default=512)
+  parser.add_argument("--d-model", type=int, default=512, help="the layers are d x 4d, 4d x d")
   parser.add_argument("--tokens", type=int, default=4096, help="tokens per step (all devices)")
   parser.add_argument("--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS))
   parser.add_argument("--json", help="also write the measurements to this file")
   args = parser.parse_args()
   if args.target and not os.environ.get(_TARGET_PROCESS):
     sys.exit(_in_target_process(args.target))
-  results = {name: measure(name, args) for name in args.setups}
-  print(report(results, args))
+  config = mlp.MlpConfig(args.layers, args.d_model, 4 * args.d_model, args.tokens)
+  results = {name: measure(name, config, args.path) for name in args.setups}
+  print(report(results, config, args.path))
   if args.json:
     with open(args.json, "w") as out:
       json.dump(results, out, indent=1)
@@ -85,144 +98,71 @@ def main() -> None:
 
 def _in_target_process(target: str) -> int:
   """Runs this script again in a process that compiles for ``target`` (see the docstring)."""
-  from zerojax._src import deviceless  # no jax import: the child's environment comes first
-
-  env = dict(os.environ) | deviceless.environment(target) | {_TARGET_PROCESS: target}
+  flags = os.environ.get("XLA_FLAGS", "")
+  env = {**os.environ, **deviceless.environment(target, xla_flags=flags), _TARGET_PROCESS: target}
   return subprocess.run([sys.executable, *sys.argv], env=env).returncode
 
 
-def measure(name: str, args) -> dict:
+def measure(name: str, config: mlp.MlpConfig, path: str) -> dict:
   """Compiles ``name``'s step and reads its bytes per axis, memory and (GPU) XLA's estimate."""
-  import jax
-
-  import zerojax
-  from zerojax._src import deviceless
-
   target = os.environ.get(_TARGET_PROCESS)
-  mesh = _mesh(target)
+  if target:
+    mesh = deviceless.mesh(target, (2, 4), ("node", "data"), (AxisType.Explicit,) * 2)
+  else:
+    zerojax.distributed.use_cpu_devices(8)
+    mesh = jax.make_mesh((2, 4), ("node", "data"))
   options = dict(SETUPS[name])
   if options.get("precision") == "bf16-reduce":
     options["precision"] = zerojax.Precision(params="fp32", compute="bf16", reduce="bf16")
-  step, arguments, tx = _step(mesh, options, args)
-  if target:
-    with deviceless.capture_stderr() as log:
-      compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*arguments).compile()
-  else:
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*arguments).compile()
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh, **options)
+  dtype = tx.precision.compute_dtype(jnp.float32)
+  loss = mlp.make_loss(path, jax.checkpoint_policies.dots_saveable, dtype)
+  rows = NamedSharding(mesh, P(tx.batch_axes))
+  batch = (jax.ShapeDtypeStruct((config.tokens, config.d), jnp.float32, sharding=rows),) * 2
+  grad_fn = zerojax.value_and_grad(loss, tx)
+  setup = setups_lib.zero_setup(name, tx, grad_fn, mlp.abstract_params(config), batch)
+  with zerojax.diagnostics.capture_stderr() as log:
+    compiled = setup.compile()
   memory = compiled.memory_analysis()
   # As text: a deviceless executable cannot list its devices; jit's order is the mesh's.
   counted = zerojax.diagnostics.count_collectives_by_axes(compiled.as_text(), mesh)
-  model_bytes = _model_bytes(args, tx)
   result = {
     "bytes": {
       " ".join(axes): {k: c.bytes for k, c in kinds.items() if c.count}
       for axes, kinds in counted.items()
     },
-    "model_bytes": model_bytes,
+    "model_bytes": config.parameters * np.dtype(dtype).itemsize,
     "arguments": memory.argument_size_in_bytes,
     "temporaries": memory.temp_size_in_bytes,
-    "predicted": _predicted(args, tx, mesh),
+    "predicted": _predicted(config, tx, mesh),
   }
   if target and deviceless.find_target(target).platform == "cuda":
     result["cycles"] = zerojax.diagnostics.scheduler_estimate(log[0], compiled).cycles
   return result
 
 
-def _mesh(target: str | None):
-  import jax
-
-  import zerojax
-
-  if target:
-    return zerojax.diagnostics.deviceless_mesh(target, (2, 4), ("node", "data"))
-  zerojax.distributed.use_cpu_devices(8)
-  return jax.make_mesh((2, 4), ("node", "data"))
-
-
-def _step(mesh, options, args):
-  """The training step, its abstract arguments, and the transformation."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  import zerojax
-
-  d, f = args.d_model, 4 * args.d_model
-  full = {
-    "up": jax.ShapeDtypeStruct((args.layers, d, f), jnp.float32),
-    "down": jax.ShapeDtypeStruct((args.layers, f, d), jnp.float32),
-  }
-  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh, **options)
-  abstract = lambda tree, shardings: jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-  )
-  params = abstract(jax.eval_shape(tx.shard, full), tx.param_shardings(full))
-  state = abstract(jax.eval_shape(tx.init, params), tx.state_shardings(full))
-  batch = NamedSharding(mesh, P(tx.batch_axes))
-  x = jax.ShapeDtypeStruct((args.tokens, d), jnp.float32, sharding=batch)
-  dots = jax.checkpoint_policies.dots_saveable
-
-  def block(h, w):
-    return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
-
-  def loss(params, x):
-    if args.path == "gather":
-      body = jax.checkpoint(
-        lambda h, w: block(h, zerojax.gather(w)), policy=zerojax.except_gathered(dots)
-      )
-      h, _ = jax.lax.scan(body, x.astype(tx.precision.compute_dtype(jnp.float32)), params)
-    else:
-      h, _ = zerojax.scan(block, x, params, policy=dots)
-    return jnp.mean(h.astype(jnp.float32) ** 2)
-
-  def step(params, state, x):
-    value, grads = zerojax.value_and_grad(loss, tx)(params, x, opt_state=state)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, value
-
-  return step, (params, state, x), tx
-
-
-def _model_bytes(args, tx) -> int:
-  """M: the model's bytes in the compute dtype."""
-  import numpy as np
-
-  itemsize = np.dtype(tx.precision.compute_dtype(np.float32)).itemsize
-  return 2 * args.layers * args.d_model * 4 * args.d_model * itemsize
-
-
-def _predicted(args, tx, mesh) -> dict:
-  """``zerojax.estimate_communication`` and ``estimate_memory``'s predictions, by axes."""
-  import numpy as np
-
-  import zerojax
-
-  num_params = 2 * args.layers * args.d_model * 4 * args.d_model
+def _predicted(config: mlp.MlpConfig, tx, mesh) -> dict:
+  """``zerojax.estimate_communication`` and ``estimate_memory``'s predictions."""
   secondary = None if tx.secondary_axis is None else mesh.shape[tx.secondary_axis]
-  sizes = dict(
+  bits = lambda quantization: None if quantization is None else f"int{quantization.bits}"
+  param_bytes = np.dtype(tx.precision.compute_dtype(np.float32)).itemsize
+  communication = zerojax.estimate_communication(
+    config.parameters,
     num_devices=tx.num_shards,
     stage=3,
+    quantized_weights=bits(tx.quantized_weights),
+    quantized_gradients=bits(tx.quantized_gradients),
     replicas=tx.num_replicas,
-    param_bytes=np.dtype(tx.precision.compute_dtype(np.float32)).itemsize,
+    param_bytes=param_bytes,
     grad_bytes=np.dtype(tx.precision.reduce_dtype(np.float32)).itemsize,
     secondary_devices=secondary,
   )
-  communication = zerojax.estimate_communication(
-    num_params,
-    quantized_weights=None if tx.quantized_weights is None else f"int{tx.quantized_weights.bits}",
-    quantized_gradients=(
-      None if tx.quantized_gradients is None else f"int{tx.quantized_gradients.bits}"
-    ),
-    **sizes,
-  )
   memory = zerojax.estimate_memory(
-    num_params,
+    config.parameters,
     num_devices=tx.num_shards,
     stage=3,
     replicas=tx.num_replicas,
-    param_bytes=sizes["param_bytes"],
+    param_bytes=param_bytes,
     secondary_devices=secondary,
   )
   return {"communication": communication._asdict(), "secondary": memory.secondary}
@@ -250,12 +190,12 @@ def cross_node(bytes_by_axes: dict, devices_per_node: int = 4) -> float:
   return total
 
 
-def report(results: dict, args) -> str:
+def report(results: dict, config: mlp.MlpConfig, path: str) -> str:
   """Markdown tables: bytes per axis and across nodes in units of M; memory; XLA's estimate."""
   target = os.environ.get(_TARGET_PROCESS)
   lines = [
-    f"{args.layers} layers of d_model {args.d_model} (two {args.d_model} x {4 * args.d_model} "
-    f"matrices each), {args.tokens} tokens a step, Adam, path `{args.path}`, mesh node=2 x "
+    f"{config.layers} layers of d_model {config.d} (two {config.d} x {config.hidden} "
+    f"matrices each), {config.tokens} tokens a step, Adam, path `{path}`, mesh node=2 x "
     f"data=4, compiled for {target or 'XLA:CPU'}; M = the model's bytes in the compute dtype.",
     "",
     "| setup | all-gather over node, data | reduce over node, data | over node | over data "
