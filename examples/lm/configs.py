@@ -163,10 +163,10 @@ class Config:
         "--offload optimizer+master: under fp32 the parameters are the master copy; use "
         "--offload optimizer, or --precision bf16"
       )
-    if self.stage != 3 and (self.quantized_weights or self.secondary_axis):
-      return (
-        "--quantized-weights and --secondary-axis apply to stage 3, the one that gathers weights"
-      )
+    if self.stage != 3 and self.quantized_weights:
+      return "--quantized-weights applies to stage 3, the one that gathers weights"
+    if self.stage != 3 and self.secondary_axis:
+      return "--secondary-axis applies to stage 3, the one that gathers weights"
     if self.secondary_axis and "node" not in self.mesh_shape:
       return (
         f"--secondary-axis {self.secondary_axis} keeps a copy of each layer inside each node: "
