@@ -26,6 +26,7 @@ On CPU the script asks JAX for ``--devices`` CPU devices (8 by default,
   python examples/train_lm.py --mesh replica=2,data=4         # hybrid sharding (HSDP)
   python examples/train_lm.py --mesh data=4,model=2           # with tensor parallelism
   python examples/train_lm.py --mesh stage=2,data=4 --microbatches 4 --schedule 1f1b  # pipeline
+  python examples/train_lm.py --mesh node=2,data=4 --secondary-axis data  # ZeRO++'s hpZ
   python examples/train_lm.py --quantized-weights int8 --quantized-gradients int8  # ZeRO++
   python examples/train_lm.py --checkpoint-dir ckpt --resume  # save every 100 steps; resume
   python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py  # 2 processes
@@ -36,20 +37,23 @@ On CPU the script asks JAX for ``--devices`` CPU devices (8 by default,
   sbatch examples/slurm/train.sbatch                          # SLURM: one process per GPU
 
 ``--mesh`` lays the devices out over named axes: ``data`` (ZeRO shards over it),
-``replica`` (everything replicated, the batch split: hybrid sharding),
-``model`` (the attention and MLP weights placed Megatron-style, see
+``node`` (ZeRO shards over it and ``data`` jointly: the nodes of a cluster, whose
+links are slower), ``replica`` (everything replicated, the batch split: hybrid
+sharding), ``model`` (the attention and MLP weights placed Megatron-style, see
 ``lm.model.tensor_parallel_specs``) and ``stage`` (the layers split into
 pipeline stages, ``zerojax.pipeline``; ``--microbatches`` micro-batches flow
-through them as ``--schedule`` says). With ``--checkpoint-dir`` the training
-state (parameters, optimizer state with its master copy and loss scale, step)
-is saved as sharded arrays every ``--save-every`` steps and at the end, keeping
-the last ``--keep``; ``--resume`` continues from the latest one that can be
-read, on any device count, mesh or stage. Batches are a function of the seed and
-the step number, and the learning-rate schedule is the one the checkpoints
-started with (``CHECKPOINT_DIR/schedule.json``, whatever ``--steps`` says now),
-so a resumed run trains on exactly the batches and learning rates an
-uninterrupted run would. Without ``--resume``, a ``--checkpoint-dir`` holding
-checkpoints is refused.
+through them as ``--schedule`` says). ``--secondary-axis data`` adds ZeRO++'s
+hpZ: each layer's backward gather reads a copy kept inside the node. With
+``--checkpoint-dir`` the training state (parameters, optimizer state with its
+master copy and loss scale, step) is saved as sharded arrays every
+``--save-every`` steps and at the end, keeping the last ``--keep``; ``--resume``
+continues from the latest one that can be read, on any device count, mesh or
+stage. Batches are a function of the seed and the step number, and the
+learning-rate schedule is the one the checkpoints started with
+(``CHECKPOINT_DIR/schedule.json``, whatever ``--steps`` says now), so a resumed
+run trains on exactly the batches and learning rates an uninterrupted run
+would. Without ``--resume``, a ``--checkpoint-dir`` holding checkpoints is
+refused.
 
 Preemption: on SIGTERM (a preempted VM, SLURM's ``--signal``, the launcher
 being stopped) every process finishes its step, all stop after the same step
@@ -294,8 +298,9 @@ def add_parallelism_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
     "--mesh",
     type=parse_mesh,
-    help="named axes and sizes, e.g. replica=2,data=4 (hybrid sharding), data=4,model=2 "
-    "(tensor parallelism) or stage=2,data=4 (pipeline stages); the default is data=--devices",
+    help="named axes and sizes, e.g. replica=2,data=4 (hybrid sharding), node=2,data=4 "
+    "(sharded over both), data=4,model=2 (tensor parallelism) or stage=2,data=4 (pipeline "
+    "stages); the default is data=--devices",
   )
   parser.add_argument(
     "--schedule",
@@ -303,6 +308,12 @@ def add_parallelism_flags(parser: argparse.ArgumentParser) -> None:
     help="with a stage axis: gpipe (every forward pass, then every backward pass) or 1f1b "
     "(backward passes interleaved, at most 2 x stages - 1 micro-batches held; the loss is "
     "computed in the last stage); default gpipe",
+  )
+  parser.add_argument(
+    "--secondary-axis",
+    choices=("data",),
+    help="ZeRO++'s hpZ (stage 3, with a node axis in --mesh): keep each layer's forward gather "
+    "also split over this intra-node axis, so that the backward gathers stay inside the node",
   )
   parser.add_argument("--coordinator", help="host:port of process 0, for a multi-process run")
   parser.add_argument("--num-processes", type=int, help="processes in a multi-process run")

@@ -8,7 +8,8 @@ save the stage-3 state to ``OUT/checkpoint`` and restore the one in
 ``RESTORE/checkpoint``, if given; train each stage again under hybrid sharding,
 on a (replica, data) mesh whose replicas are the processes (one "node" each),
 and stage 3 there with int8-quantized communication, and with its optimizer
-state in host memory;
+state in host memory; train stage 3 on a (node, data) mesh whose nodes are the
+processes, split over both axes, with hpZ and without;
 provoke ``global_batch``'s errors, and ``tx.shard``'s for models that differ. Every process writes
 what it saw to ``OUT/p<process id>.npz`` and ``.json``. The test runs the same
 function in its own single process for the comparison. ``die``: train until
@@ -115,6 +116,7 @@ def train(out: Path, restore: Path | None = None) -> None:
   if restore is not None:
     arrays.update(restore_from(mesh, restore))
   arrays.update(train_hybrid(report))
+  arrays.update(train_hpz(report))
   report["errors"] = batch_errors(mesh)
   np.savez(out / f"p{jax.process_index()}.npz", **arrays)
   (out / f"p{jax.process_index()}.json").write_text(json.dumps(report))
@@ -148,6 +150,32 @@ def train_hybrid(report) -> dict:
     )
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.inner_state)}
     report["stages"][stage][f"{name}_state_in"] = sorted(kinds)
+  return arrays
+
+
+def train_hpz(report) -> dict:
+  """Stage 3 over a (2, N / 2) (node, data) mesh, with hpZ and without: process p is node p."""
+  mesh = jax.make_mesh((2, jax.device_count() // 2), ("node", "data"))
+  batch = zerojax.distributed.global_batch(
+    local_rows(models.make_batch()), mesh, axis_name=("node", "data")
+  )
+  arrays = {}
+  for name, options in (("full", {}), ("hpz", {"secondary_axis": "data"})):
+    tx = zerojax.zero3(optax.adam(1e-2), mesh=mesh, axis_name=("node", "data"), **options)
+    params = tx.shard(models.make_params())
+    state, step = tx.init(params), models.explicit_step(tx)
+    for _ in range(STEPS):
+      params, state, loss = step(params, state, *batch)
+      report["stages"][3].setdefault(f"{name}_losses", []).append(float(loss))
+    counted = zerojax.diagnostics.count_collectives_by_axes(
+      step.lower(params, state, *batch).compile(), mesh
+    )
+    report["stages"][3][f"{name}_bytes"] = {
+      " ".join(axes): {kind: c.bytes for kind, c in kinds.items() if c.count}
+      for axes, kinds in counted.items()
+    }
+    to_all = zerojax.distributed.gather_to_host(tx, params, process=None)
+    arrays.update(flat(f"{name}/3/to_all", to_all))
   return arrays
 
 

@@ -56,6 +56,12 @@ CASES = [
   ("train_lm", ["--mesh", "data=16"], "--devices 16, but JAX has 8 devices"),
   ("train_lm", ["--devices", "4", "--mesh", "data=2"], "--devices 4 but --mesh has 2"),
   ("train_lm", ["--stage", "2", "--quantized-weights", "int8"], "--quantized-weights applies"),
+  (
+    "train_lm",
+    ["--stage", "2", "--mesh", "node=2,data=4", "--secondary-axis", "data"],
+    "--secondary-axis applies to stage 3",
+  ),
+  ("train_lm", ["--secondary-axis", "data"], "give the mesh a node axis too"),
   ("train_lm", ["--stage", "0", "--precision", "bf16"], "--precision, --microbatches and"),
   ("train_lm", ["--resume"], "--resume needs --checkpoint-dir"),
   ("train_lm", ["--quantization-block-size", "3"], "--quantization-block-size 3: make it even"),

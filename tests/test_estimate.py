@@ -288,7 +288,9 @@ def test_communication_estimate_is_what_a_compiled_step_moves(
   # Measured: equal but for the loss's 4-byte all-reduce. A tolerance of 0.1%
   # would notice the int8 scales (1.6% of the codes) going missing.
   assert measured[-1] == pytest.approx(estimate.total, rel=0.001)
-  assert measured == pytest.approx(tuple(estimate), abs=0.001 * estimate.total)
+  predicted = (*estimate[:3], estimate.total)  # secondary_gathers: hpZ's (tests/test_hpz.py)
+  assert measured == pytest.approx(predicted, abs=0.001 * estimate.total)
+  assert estimate.secondary_gathers == 0
 
 
 def test_profile_of_a_zero3_step(mesh):

@@ -111,15 +111,18 @@ def flat_tiny_run(tmp_path_factory):
   return train_lm.main([*TINY, "--steps", "4", "--out", str(out)])
 
 
-PIPELINE = ("--microbatches", "4", "--schedule", "1f1b")
-
-
 @pytest.mark.parametrize(
-  "mesh, flags", [("replica=2,data=4", ()), ("data=4,model=2", ()), ("stage=2,data=4", PIPELINE)]
+  "mesh, flags",
+  [
+    ("replica=2,data=4", ()),
+    ("data=4,model=2", ()),
+    ("stage=2,data=4", ("--microbatches", "4", "--schedule", "1f1b")),
+    ("node=2,data=4", ("--secondary-axis", "data")),
+  ],
 )
 def test_train_lm_on_a_multi_axis_mesh_trains_like_a_flat_one(mesh, flags, flat_tiny_run, tmp_path):
-  # Hybrid sharding, tensor parallelism over the attention and MLP weights, and pipeline
-  # stages: the same losses as 8 devices on one data axis, to rounding.
+  # Hybrid sharding, tensor parallelism over the attention and MLP weights, pipeline stages
+  # and ZeRO++'s hpZ over two nodes: the same losses as 8 devices on one data axis, to rounding.
   metrics = train_lm.main([*TINY, "--steps", "4", "--mesh", mesh, *flags, "--out", str(tmp_path)])
   assert metrics["config"]["mesh"] == train_lm.parse_mesh(mesh)
   np.testing.assert_allclose(metrics["train_loss"], flat_tiny_run["train_loss"], rtol=1e-5)

@@ -160,6 +160,30 @@ def test_two_processes_train_like_one_with_the_optimizer_state_in_host_memory(ru
   )
 
 
+def test_two_processes_train_like_one_with_hpz(runs):
+  # Stage 3 over (node, data), a node per process: the same numbers on 2 processes as on
+  # one, with hpZ as without it (to rounding); hpZ's only all-gathers between the processes
+  # gather each device's secondary partition, in the forward pass.
+  (one_arrays, one), (two_arrays, two) = runs[1][0], runs[2][0]
+  for name in ("full", "hpz"):
+    np.testing.assert_allclose(
+      two["stages"]["3"][f"{name}_losses"], one["stages"]["3"][f"{name}_losses"], atol=1e-6
+    )
+    chex.assert_trees_all_close(
+      under(f"{name}/3/to_all", two_arrays), under(f"{name}/3/to_all", one_arrays), atol=1e-6
+    )
+    assert two["stages"]["3"][f"{name}_bytes"] == one["stages"]["3"][f"{name}_bytes"]
+  full = {k.replace("full/3", "hpz/3"): v for k, v in one_arrays.items()}
+  chex.assert_trees_all_close(
+    under("hpz/3/to_all", one_arrays), under("hpz/3/to_all", full), **ROUNDING
+  )
+  hpz, plain = two["stages"]["3"]["hpz_bytes"], two["stages"]["3"]["full_bytes"]
+  assert "all-gather" not in hpz["node data"] and "all-gather" in plain["node data"]
+  assert set(hpz["node"]) == {"all-gather"}
+  whole = hpz["data"]["all-gather"]  # forward and backward, inside the process
+  assert whole == plain["node data"]["all-gather"] and 4 * hpz["node"]["all-gather"] < whole
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_two_processes_train_like_one_on_the_drop_in_path(runs, stage):
   (one_arrays, one), (two_arrays, two) = runs[1][0], runs[2][0]

@@ -15,7 +15,7 @@ import pathlib
 #: Validation windows per evaluation, in units of ``batch_size``.
 EVAL_BATCHES = 4
 #: The mesh axes the example knows, in mesh order.
-MESH_AXES = ("stage", "replica", "data", "model")
+MESH_AXES = ("stage", "replica", "node", "data", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,8 @@ class Config:
     quantized_gradients: ``"int8"``, ``"int4"`` or ``None``.
     quantization_block_size: elements per scale.
     offload: ``"optimizer"``, ``"optimizer+master"`` or ``None``: what lives in host memory.
+    secondary_axis: ``"data"`` for ZeRO++'s hpZ (a copy of each layer inside each node), or
+      ``None``.
     microbatches: micro-batches accumulated per step (with a ``stage`` axis, the
       pipeline's micro-batches).
     schedule: the pipeline schedule (``"gpipe"`` or ``"1f1b"``) with a ``stage``
@@ -97,6 +99,7 @@ class Config:
   quantized_gradients: str | None
   quantization_block_size: int
   offload: str | None
+  secondary_axis: str | None
   microbatches: int
   schedule: str | None
   per_device_batch: int | None
@@ -131,9 +134,14 @@ class Config:
     return (self.schedule or "gpipe") if "stage" in self.mesh_shape else None
 
   @property
+  def data_axes(self) -> tuple[str, ...]:
+    """The mesh axes ZeRO shards over: ``node`` (across nodes) and ``data``."""
+    return tuple(axis for axis in ("node", "data") if axis in self.mesh_shape)
+
+  @property
   def batch_axes(self) -> tuple[str, ...]:
     """The mesh axes the batch is split over."""
-    return tuple(axis for axis in ("replica", "data") if axis in self.mesh_shape)
+    return tuple(axis for axis in ("replica", *self.data_axes) if axis in self.mesh_shape)
 
   @property
   def batch_devices(self) -> int:
@@ -166,6 +174,13 @@ class Config:
       )
     if self.stage != 3 and self.quantized_weights:
       return "--quantized-weights applies to stage 3, the one that gathers weights"
+    if self.stage != 3 and self.secondary_axis:
+      return "--secondary-axis applies to stage 3, the one that gathers weights"
+    if self.secondary_axis and "node" not in self.mesh_shape:
+      return (
+        f"--secondary-axis {self.secondary_axis} keeps a copy of each layer inside each node: "
+        "give the mesh a node axis too, e.g. --mesh node=2,data=4"
+      )
     if self.quantization_block_size % 2:
       return (
         f"--quantization-block-size {self.quantization_block_size}: make it even (int4 packs "
@@ -228,5 +243,5 @@ class FlagsError(ValueError):
 
 
 def batch_devices(mesh_shape: dict[str, int]) -> int:
-  """The devices a mesh of these axes and sizes splits the batch over: replica x data."""
-  return mesh_shape.get("replica", 1) * mesh_shape["data"]
+  """The devices a mesh of these axes and sizes splits the batch over: replica x node x data."""
+  return mesh_shape.get("replica", 1) * mesh_shape.get("node", 1) * mesh_shape["data"]

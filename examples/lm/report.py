@@ -51,7 +51,8 @@ def describe(config: configs.Config, n_params: int, platform: str, corpus: Any) 
   host = {"optimizer": "optimizer state", "optimizer+master": "optimizer state and master copy"}
   return (
     f"{config.model} model: {n_params / 1e6:.2f}M params, stage {config.stage} on "
-    f"{config.devices} {platform} devices (mesh {mesh}) in "
+    f"{config.devices} {platform} devices (mesh {mesh}"
+    f"{f', hpZ over {config.secondary_axis}' if config.secondary_axis else ''}) in "
     f"{_count(jax.process_count(), 'process', 'processes')}, {config.precision} precision"
     f"{f' with {wire} on the wire' if wire else ''}"
     f"{f', {host[config.offload]} in host memory' if config.offload else ''}; "

@@ -83,7 +83,7 @@ def make_setup(
     tx = (zerojax.zero1, zerojax.zero2, zerojax.zero3)[stage - 1](
       optimizer,
       mesh=mesh,
-      axis_name="data",
+      axis_name=tuple(axis for axis in ("node", "data") if axis in mesh.axis_names),
       replica_axis="replica" if "replica" in mesh.axis_names else None,
       **options,
     )

@@ -131,6 +131,7 @@ def zero_options(config: configs.Config) -> dict[str, Any]:
     quantized_gradients=config.quantized_gradients,
     quantization_block_size=config.quantization_block_size,
     offload=config.offload,
+    secondary_axis=config.secondary_axis,
   )
 
 

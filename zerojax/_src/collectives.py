@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from zerojax._src import comm, quantize
+from zerojax._src import comm, hpz, quantize
 
 #: ``jax.checkpoint_name`` of every array ``gather`` returns.
 GATHERED = "zerojax_gathered"
@@ -81,6 +81,11 @@ def remat_policy(primitive, *_, **params) -> bool:
   return not (name == "name" and params.get("name") == GATHERED)
 
 
+def _secondary(primitive, params) -> bool:
+  """Whether this names an hpZ secondary partition, which every policy here saves."""
+  return primitive.name == "name" and params.get("name") == hpz.SECONDARY
+
+
 def except_gathered(policy: Callable[..., bool] | None) -> Callable[..., bool]:
   """A ``jax.checkpoint`` policy: ``policy``'s choices, never saving a gathered parameter.
 
@@ -89,7 +94,9 @@ def except_gathered(policy: Callable[..., bool] | None) -> Callable[..., bool]:
   itself). The gathered weights, the slices and casts that open them, are
   never saved, so the backward pass gathers the layer again instead of keeping
   every layer whole until then. ``None`` gives ``zerojax.remat_policy``, which
-  saves everything else.
+  saves everything else. Under hpZ (``secondary_axis``) the secondary
+  partitions are saved whatever ``policy`` says, so that the backward pass
+  gathers from them inside the node.
 
   Args:
     policy: a policy of ``jax.checkpoint_policies``, or ``None``.
@@ -108,6 +115,8 @@ def except_gathered(policy: Callable[..., bool] | None) -> Callable[..., bool]:
     return remat_policy
 
   def saved(primitive, *args, **params) -> bool:
+    if _secondary(primitive, params):
+      return True
     return remat_policy(primitive, *args, **params) and policy(primitive, *args, **params)
 
   return saved
@@ -151,6 +160,9 @@ class Shard:
       (``None``: it moves the compute dtype).
     quantized_gradients: how the reduce-scatter quantizes the gradient
       (``None``: it moves the reduce dtype).
+    secondary_axes: hpZ, stage 3: the intra-node data axes over which the
+      backward pass gathers the weight again, from the secondary partition the
+      forward pass kept; ``()`` without hpZ.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zerojax
@@ -177,6 +189,7 @@ class Shard:
   quantized_gradients: quantize.Quantization | None = dataclasses.field(
     default=None, metadata=dict(static=True)
   )
+  secondary_axes: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
   def __jax_array__(self):
     raise TypeError(
@@ -228,7 +241,9 @@ def open_shards(shards: list[Shard]) -> list[jax.Array]:
   """
   group = group_of(shards)
   values = [shard.value for shard in shards]
-  if shards[0].sink is None:
+  if group.secondary_axes:
+    fulls = hpz.gather(group, values)
+  elif shards[0].sink is None:
     fulls = comm.gather(group, values)
   else:
     fulls = comm.read(group, values, [shard.sink for shard in shards if shard.sink is not None])
@@ -244,6 +259,7 @@ def group_of(shards: list[Shard]) -> comm.Group:
     first.replica_axes,
     first.quantized_weights,
     first.quantized_gradients,
+    first.secondary_axes,
   )
 
 
@@ -255,6 +271,7 @@ def _group_key(shard: Shard) -> tuple[Any, ...]:
     shard.replica_axes,
     shard.quantized_weights,
     shard.quantized_gradients,
+    shard.secondary_axes,
   )
 
 

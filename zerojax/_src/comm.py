@@ -176,6 +176,8 @@ class Group(NamedTuple):
       stage 2's weights are typed as varying over them too.
     weights: the ``Quantization`` of the weight all-gathers, or ``None``.
     gradients: the ``Quantization`` of the gradient reductions, or ``None``.
+    secondary_axes: hpZ: the intra-node data axes the weights are gathered
+      over from their secondary partitions (``hpz.py``); ``()`` without hpZ.
   """
 
   transfers: tuple[Transfer, ...]
@@ -183,6 +185,7 @@ class Group(NamedTuple):
   replica_axes: tuple[str, ...]
   weights: quantize.Quantization | None
   gradients: quantize.Quantization | None
+  secondary_axes: tuple[str, ...] = ()
 
   def all_gather(self, values: Sequence[jax.Array]) -> list[jax.Array]:
     """The full weights of ``values`` (this device's shards), padding sliced off.
@@ -248,7 +251,9 @@ def read(group: Group, values: Sequence[jax.Array], sinks: Sequence[jax.Array]) 
 
   ``sinks`` are zero arrays of the gradient shards' shapes, differentiated in
   the weights' place: the backward pass reduce-scatters each weight's
-  cotangent into its sink.
+  cotangent into its sink. Under hpZ (stage 3) ``values`` are the secondary
+  partitions, the weights are gathered from them inside the node
+  (``hpz.fulls``), and the sinks are the shards themselves.
   """
   return list(_read(group, tuple(values), tuple(sinks)))
 
@@ -256,6 +261,10 @@ def read(group: Group, values: Sequence[jax.Array], sinks: Sequence[jax.Array]) 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _read(group: Group, values, sinks):
   del sinks
+  if group.secondary_axes:
+    from zerojax._src import hpz  # (which builds on this module)
+
+    return tuple(hpz.fulls(group, values))
   return tuple(group.read(values))
 
 

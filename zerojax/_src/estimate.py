@@ -24,7 +24,8 @@ class MemoryEstimate(NamedTuple):
   """Bytes per device of the model states (activations and temporaries not included).
 
   The first four fields count device memory; ``host`` counts what ``offload``
-  keeps in host memory for the device (a host of 8 devices holds 8 times that).
+  keeps in host memory for the device (a host of 8 devices holds 8 times that),
+  and ``secondary`` what hpZ holds during a step.
 
   Attributes:
     params: parameters.
@@ -34,12 +35,16 @@ class MemoryEstimate(NamedTuple):
     total: the sum of the three: the device memory the model states take.
     host: optimizer state (and master weights) offloaded to host memory; 0
       without ``offload``.
+    secondary: hpZ's secondary partitions, in device memory from each
+      layer's forward gather to its backward gather (a temporary of the step,
+      as activations are, so not in ``total``): every layer's 1/(devices per
+      node), in the compute dtype; 0 without hpZ.
 
   Example:
     >>> import zerojax
     >>> estimate = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3)
     >>> [round(gigabytes / 1e9, 2) for gigabytes in estimate]
-    [0.23, 0.23, 1.41, 1.88, 0.0]
+    [0.23, 0.23, 1.41, 1.88, 0.0, 0.0]
     >>> offloaded = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3, offload="optimizer")
     >>> round(offloaded.total / 1e9, 2), round(offloaded.host / 1e9, 2)
     (0.94, 0.94)
@@ -50,6 +55,7 @@ class MemoryEstimate(NamedTuple):
   optimizer_state: float
   total: float
   host: float = 0.0
+  secondary: float = 0.0
 
 
 def _check(
@@ -78,13 +84,44 @@ def _check(
   return stages.of(stage)
 
 
+def _nodes(
+  num_devices: int, stage: int, secondary_devices: int | None, pipeline_stages: int
+) -> int:
+  """hpZ's number of nodes (groups of ``secondary_devices``); 1 without hpZ.
+
+  Raises:
+    ValueError: for hpZ at a stage other than 3, in pipeline stages, or a
+      group size that does not split the data axes into two or more groups.
+  """
+  if secondary_devices is None:
+    return 1
+  if pipeline_stages > 1:
+    raise ValueError(
+      "secondary_devices (hpZ) with pipeline_stages is not modelled: the estimator counts hpZ's "
+      "secondary partitions over a flat data axis. Estimate one pipeline stage's data group "
+      "(pipeline_stages=1, num_params divided by the stages) with secondary_devices."
+    )
+  if stage != 3:
+    raise ValueError(
+      f"secondary_devices (hpZ) is stage 3's secondary copy of the gathered weights; stage "
+      f"{stage} gathers none. Pass stage=3, or drop secondary_devices."
+    )
+  if secondary_devices < 1 or num_devices % secondary_devices or num_devices == secondary_devices:
+    raise ValueError(
+      f"secondary_devices={secondary_devices} must divide num_devices={num_devices} (the data "
+      "axes) into two or more nodes: it is the size of the intra-node data axes, e.g. "
+      "num_devices=64, secondary_devices=8 for 8 nodes of 8."
+    )
+  return num_devices // secondary_devices
+
+
 def _share(splits: bool, whole: float, split: float, num_devices: int) -> float:
   """Bytes per device: ``split / N`` if the stage splits this model state, else ``whole``."""
   return split / num_devices if splits else float(whole)
 
 
-def _estimate(params, grads, state, host=0.0) -> MemoryEstimate:
-  return MemoryEstimate(params, grads, state, params + grads + state, host)
+def _estimate(params, grads, state, host=0.0, secondary=0.0) -> MemoryEstimate:
+  return MemoryEstimate(params, grads, state, params + grads + state, host, secondary)
 
 
 def estimate_memory(
@@ -101,6 +138,7 @@ def estimate_memory(
   offload: str | None = None,
   pipeline_stages: int = 1,
   pipeline_reduce: str | None = None,
+  secondary_devices: int | None = None,
 ) -> MemoryEstimate:
   """Per-device bytes of parameters, gradients and optimizer state at a ZeRO stage.
 
@@ -133,6 +171,11 @@ def estimate_memory(
   micro-batch. Activations come on top: the schedule holds
   ``zerojax.pipeline_timetable(...).in_flight`` micro-batches of them.
 
+  With ``secondary_devices`` (stage 3's hpZ, ``zerojax.zero3(...,
+  secondary_axis=...)``, whose intra-node data axes have that size), the
+  model states are those of stage 3, and ``secondary`` counts the secondary
+  partitions a step holds: Ψ x ``param_bytes`` / ``secondary_devices``.
+
   Args:
     num_params: Ψ, the number of parameters.
     num_devices: N, the size of the data-parallel axes.
@@ -147,14 +190,17 @@ def estimate_memory(
     pipeline_stages: S, the size of the pipeline's stage axis.
     pipeline_reduce: ``"step"``, ``"microbatch"`` or ``None`` (the stage's
       default), as ``zerojax.pipeline``'s ``reduce``.
+    secondary_devices: stage 3's hpZ: the size of the intra-node data axes
+      (devices per node), or ``None``.
 
   Returns:
     A ``MemoryEstimate`` in bytes.
 
   Raises:
     ValueError: for a stage or count out of range, an unknown ``offload``,
-      offload at stage 0, or ``"optimizer+master"`` without separate master
-      weights.
+      offload at stage 0, ``"optimizer+master"`` without separate master
+      weights, or ``secondary_devices`` at another stage or not dividing
+      ``num_devices`` into nodes.
 
   Example (the ZeRO paper's Table I, Ψ = 7.5B, N = 64):
     >>> import zerojax
@@ -187,8 +233,15 @@ def estimate_memory(
     >>> round(zerojax.estimate_memory(7.5e9, num_devices=16, stage=3, pipeline_stages=4,
     ...   pipeline_reduce="step").total / 1e9, 2)
     9.14
+
+  With hpZ on 8 nodes of 8 devices, each device also holds 1/8 of the bf16 weights during a step:
+
+    >>> hpz = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3, secondary_devices=8)
+    >>> round(hpz.total / 1e9, 2), round(hpz.secondary / 1e9, 2)
+    (1.88, 1.88)
   """
   stage_ = _check(num_devices, stage, replicas, tensor_parallel, offload, pipeline_stages)
+  nodes = _nodes(num_devices, stage, secondary_devices, pipeline_stages)
   once = reduces_once(pipeline_reduce, stage_.splits_params)
   num_params = num_params / (tensor_parallel * pipeline_stages)
   share = lambda splits, size: _share(splits, size, size, num_devices)
@@ -203,6 +256,7 @@ def estimate_memory(
     share(stage_.splits_grads and not whole, num_params * grad_bytes),
     share(stage_.splits_state, num_params * (state_bytes - host_bytes)),
     share(stage_.splits_state, num_params * host_bytes),
+    num_params * param_bytes * nodes / num_devices if nodes > 1 else 0.0,
   )
 
 
@@ -323,20 +377,26 @@ class CommunicationEstimate(NamedTuple):
     replica_reductions: hybrid sharding's all-reduce of the gradient shard
       across replicas.
     total: the sum.
+    secondary_gathers: hpZ: the all-gathers inside the node, over the
+      secondary axes, of the secondary partitions into whole weights (forward,
+      and backward under remat); ``weight_gathers`` then holds only the
+      all-gathers across nodes, which leave each device its secondary
+      partition. 0 without hpZ.
 
   Example:
     Stage 1 gathers the updated bf16 parameters as often as it reduces bf16 gradients:
 
     >>> import zerojax
     >>> estimate = zerojax.estimate_communication(7.5e9, num_devices=64, stage=1)
-    >>> {name: gigabytes / 1e9 for name, gigabytes in estimate._asdict().items()}
-    {'weight_gathers': 15.0, 'gradient_reductions': 15.0, 'replica_reductions': 0.0, 'total': 30.0}
+    >>> {name: gigabytes / 1e9 for name, gigabytes in estimate._asdict().items() if gigabytes}
+    {'weight_gathers': 15.0, 'gradient_reductions': 15.0, 'total': 30.0}
   """
 
   weight_gathers: float
   gradient_reductions: float
   replica_reductions: float
   total: float
+  secondary_gathers: float = 0.0
 
 
 def estimate_communication(
@@ -354,6 +414,7 @@ def estimate_communication(
   pipeline_stages: int = 1,
   microbatches: int = 1,
   pipeline_reduce: str | None = None,
+  secondary_devices: int | None = None,
 ) -> CommunicationEstimate:
   """Bytes per device per step that ``zerojax.value_and_grad`` and ``tx.update`` move.
 
@@ -371,7 +432,19 @@ def estimate_communication(
   * with ``replicas`` above 1 (hybrid sharding), stages 1 to 3 also
     all-reduce the shard across replicas: Ψ / N x ``grad_bytes``; with
     ``quantized_gradients``, a quantized all-to-all and all-gather of the
-    shard instead, twice ``moved_bytes(Ψ / N)``.
+    shard instead, twice ``moved_bytes(Ψ / N)``;
+  * stage 3 with hpZ (``secondary_devices`` = D, the size of the intra-node
+    data axes): the weight all-gathers cross nodes once, in the forward pass,
+    and each leaves a device its secondary partition, Ψ / D x ``param_bytes``
+    (quantized, ``moved_bytes(Ψ / D)``): that is ``weight_gathers``. Inside
+    the node (``secondary_gathers``) the secondary partitions are gathered
+    into whole weights once per pass, Ψ x ``param_bytes`` each, never
+    quantized. The gradients' reduce-scatter is stage 3's.
+
+  ``count_collectives_by_axes`` splits a compiled step the same way: under
+  hpZ on a ``("node", "data")`` mesh, ``weight_gathers`` are its all-gathers
+  over ``("node",)``, ``secondary_gathers`` those over ``("data",)``, and
+  ``gradient_reductions`` what spans ``("node", "data")``.
 
   With ``pipeline_stages`` S above 1 (``zerojax.pipeline`` with
   ``microbatches`` M), a device moves its stage's share, Ψ / S, once per step
@@ -401,6 +474,8 @@ def estimate_communication(
     pipeline_stages: S, the size of the pipeline's stage axis.
     microbatches: M, the pipeline's micro-batches.
     pipeline_reduce: as for ``estimate_memory``.
+    secondary_devices: stage 3's hpZ: the size of the intra-node data axes
+      (devices per node), or ``None``.
 
   Returns:
     A ``CommunicationEstimate`` in bytes.
@@ -428,8 +503,15 @@ def estimate_communication(
     ...   7.5e9, num_devices=16, stage=3, pipeline_stages=4, microbatches=8, pipeline_reduce="step")
     >>> round(per_microbatch.total / 1e9, 2), round(once.total / 1e9, 2)
     (123.75, 7.5)
+
+  With hpZ on 8 nodes of 8 devices, the weights cross nodes once per step, 1/8 of them each time:
+
+    >>> hpz = zerojax.estimate_communication(7.5e9, num_devices=64, stage=3, secondary_devices=8)
+    >>> [round(gigabytes / 1e9, 2) for gigabytes in hpz]
+    [1.88, 15.0, 0.0, 46.88, 30.0]
   """
   stage_ = _check(num_devices, stage, replicas, pipeline_stages=pipeline_stages)
+  nodes = _nodes(num_devices, stage, secondary_devices, pipeline_stages)
   if microbatches < 1:
     raise ValueError(f"microbatches must be at least 1, got {microbatches}.")
   num_params = num_params / pipeline_stages
@@ -467,10 +549,17 @@ def estimate_communication(
     across = shard * grad_bytes
   else:
     across = 2 * gradients.moved_bytes(shard)  # pyright: ignore[reportArgumentType] (Ψ/N)
-  return _communication(
-    passes * moved(weights, param_bytes), reductions * moved(gradients, grad_bytes), across
-  )
+  if nodes == 1:
+    weight_gathers, inside = passes * moved(weights, param_bytes), 0.0
+  else:
+    secondary = num_params * nodes / num_devices
+    weight_gathers = (
+      secondary * param_bytes if weights is None else weights.moved_bytes(secondary)  # pyright: ignore[reportArgumentType] (Ψ/D)
+    )
+    inside = passes * num_params * param_bytes
+  return _communication(weight_gathers, reductions * moved(gradients, grad_bytes), across, inside)
 
 
-def _communication(weights, gradients, replicas) -> CommunicationEstimate:
-  return CommunicationEstimate(weights, gradients, replicas, weights + gradients + replicas)
+def _communication(weights, gradients, replicas, secondary=0.0) -> CommunicationEstimate:
+  total = weights + gradients + replicas + secondary
+  return CommunicationEstimate(weights, gradients, replicas, total, secondary)

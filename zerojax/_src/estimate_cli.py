@@ -199,6 +199,77 @@ def communication_table(
   return _grid(devices, replicas * stages, 14 if quantized else 10, row)
 
 
+def hpz_table(
+  num_params: float,
+  devices: list[int],
+  secondary: int,
+  param_bytes,
+  grad_bytes,
+  state_bytes,
+  replicas: int = 1,
+  quantized_weights: str | None = None,
+  quantized_gradients: str | None = None,
+  block_size: int = quantize.DEFAULT_BLOCK_SIZE,
+) -> str:
+  """Stage 3 with hpZ (``secondary`` devices per node) against without it, GB per device.
+
+  Memory: zero3's model states, and the secondary partitions hpZ holds during
+  a step on top of them. Communication, as ``zerojax.estimate_communication``
+  counts it (the logical size of each collective): all of zero3's collectives
+  span the nodes; hpZ's split into those that span the nodes (the forward
+  pass's gather of each device's secondary partition, the gradients'
+  reduce-scatter, hybrid sharding's sum across replicas) and those inside a
+  node (the gathers of the secondary partitions into whole weights). A row
+  whose data axes are not two or more nodes of ``secondary`` devices is ``-``.
+
+  Example:
+    >>> from zerojax.estimate import hpz_table
+    >>> print(hpz_table(7.5e9, [8, 64], secondary=8, param_bytes=2, grad_bytes=2, state_bytes=12))
+     devices   zero3 memory    + secondary    zero3 moves    hpZ, across    hpZ, inside
+    -----------------------------------------------------------------------------------
+           8              -              -              -              -              -
+          64           1.88           1.88          45.00          16.88          30.00
+  """
+  columns = ("zero3 memory", "+ secondary", "zero3 moves", "hpZ, across", "hpZ, inside")
+
+  def communication(num_devices: int, secondary_devices: int | None):
+    return estimate_communication(
+      num_params,
+      num_devices=num_devices,
+      stage=3,
+      quantized_weights=quantized_weights,
+      quantized_gradients=quantized_gradients,
+      quantization_block_size=block_size,
+      replicas=replicas,
+      param_bytes=param_bytes,
+      grad_bytes=grad_bytes,
+      secondary_devices=secondary_devices,
+    )
+
+  def row(n):
+    if n % secondary or n == secondary:
+      return ["-"] * len(columns)
+    memory = estimate_memory(
+      num_params,
+      num_devices=n,
+      stage=3,
+      replicas=replicas,
+      param_bytes=param_bytes,
+      grad_bytes=grad_bytes,
+      state_bytes=state_bytes,
+      secondary_devices=secondary,
+    )
+    plain, hpz = communication(n, None), communication(n, secondary)
+    inside = hpz.secondary_gathers
+    cells = (memory.total, memory.secondary, plain.total, hpz.total - inside, inside)
+    return [f"{gigabytes / 1e9:.2f}" for gigabytes in cells]
+
+  header = f"{'devices':>8} " + " ".join(f"{name:>14}" for name in columns)
+  lines = [header, "-" * len(header)]
+  lines += [f"{n:>8} " + " ".join(f"{cell:>14}" for cell in row(n)) for n in devices]
+  return "\n".join(lines)
+
+
 def _ring_bytes(num_params: float, *, stage: int, **options) -> float:
   """``estimate_communication``'s total, with each all-reduce counted twice."""
   estimate = estimate_communication(num_params, stage=stage, **options)
@@ -313,8 +384,45 @@ def main(argv: Sequence[str] | None = None) -> str | None:
     f"{args.grad_bytes:g} B/grad, K = {state_bytes:.3g} B/param of optimizer state "
     f"({source}).\n{mesh}GB per device:\n{memory(None)}\n\n{offloaded}{communication}"
   )
+  if args.secondary is not None:
+    text += f"\n\n{_hpz(args, state_bytes)}"
   print(text)
   return None if argv is None else text
+
+
+def _hpz(args: argparse.Namespace, state_bytes: float) -> str:
+  """The hpZ part of ``main``'s report (``--secondary``)."""
+  if args.pipeline_stages > 1:
+    return (
+      "hpZ is not estimated in pipeline stages: run the estimate for one stage's data group "
+      "(--params divided by the stages, no --pipeline-stages) with --secondary."
+    )
+  if args.tensor_parallel > 1:
+    return (
+      "hpZ is not estimated with tensor parallelism: what the data axes move depends on how "
+      "the layers are split. Measure a compiled step with "
+      "zerojax.diagnostics.count_collectives_by_axes."
+    )
+  quantized = ", quantized as above" if args.quantized_weights or args.quantized_gradients else ""
+  return (
+    f"zero3 with hpZ, {args.secondary} devices per node (--secondary){quantized}. GB per device\n"
+    "of model states, and of the secondary partitions a step holds on top; GB per device per\n"
+    "step that zero3's collectives move (all of them span the nodes), and hpZ's, across the\n"
+    "nodes and inside a node (each collective at its logical size, as\n"
+    "zerojax.estimate_communication counts it):\n"
+    + hpz_table(
+      args.params,
+      args.devices,
+      args.secondary,
+      args.param_bytes,
+      args.grad_bytes,
+      state_bytes,
+      args.replicas,
+      args.quantized_weights,
+      args.quantized_gradients,
+      args.block_size,
+    )
+  )
 
 
 def _state_bytes(args: argparse.Namespace) -> tuple[float, str]:
@@ -455,6 +563,12 @@ def _parser() -> argparse.ArgumentParser:
     choices=("optimizer", "optimizer+master"),
     help="also give zero1-3 with the optimizer state (and the master copy) in host memory: "
     "GB in device memory + GB in host memory, per device",
+  )
+  parser.add_argument(
+    "--secondary",
+    type=_whole(least=1),
+    help="also give zero3 with hpZ (ZeRO++'s secondary partition inside a node): the size of "
+    "the intra-node data axes, the devices per node",
   )
   parser.add_argument(
     "--block-size",

@@ -13,7 +13,9 @@ loop is rewritten so that it need not:
   i-1, and reduce-scatters layer i's gradient (or, with ``defer_reductions``,
   the gradient of layer i+1, which the previous iteration produced). The last
   layer's weights are kept from the forward pass, so the backward pass starts
-  without a gather.
+  without a gather. Under hpZ (``secondary_axis``) the forward loop also keeps
+  each layer's secondary partition (``hpz.py``), and the backward loop gathers
+  layer i-1 from it, inside the node.
 
 Each layer's VJP reuses what the forward pass saved under the layer's
 ``jax.checkpoint`` policy (never the gathered weights, which are re-gathered),
@@ -33,7 +35,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zerojax._src import collectives, comm
+from zerojax._src import collectives, comm, hpz
 
 
 def scan(
@@ -173,9 +175,20 @@ class _Stack(NamedTuple):
   policy: Callable[..., bool]
   defer: bool
 
-  def opened(self, values: list[jax.Array], sinks: list[jax.Array]) -> list[jax.Array]:
-    """One layer's full weights: gathered (stage 3) or read (stage 2), no derivative rule."""
-    return self.group.read(values) if self.reads else self.group.all_gather(values)
+  def kept(self, values: list[jax.Array]) -> list[jax.Array]:
+    """hpZ: one layer's secondary partitions (the forward pass keeps them); else none."""
+    return hpz.secondaries(self.group, values) if self.group.secondary_axes else []
+
+  def opened(
+    self, values: list[jax.Array], sinks: list[jax.Array], kept: list[jax.Array]
+  ) -> list[jax.Array]:
+    """One layer's full weights: gathered (stage 3) or read (stage 2), no derivative rule.
+
+    Under hpZ they are gathered from ``kept``, the layer's secondary partitions.
+    """
+    if self.reads:
+      return self.group.read(values)
+    return hpz.fulls(self.group, kept) if kept else self.group.all_gather(values)
 
   def reduced(self, cotangents: list[jax.Array]) -> list[jax.Array]:
     """One layer's gradient shards (for the values at stage 3, the sinks at stage 2)."""
@@ -246,7 +259,7 @@ def _prefetched(f, init, leaves, treedef, shard_positions, policy, defer_reducti
   sinks = [s.sink for s in shards] if stack.reads else []
   # Example arguments of the right types for tracing ``f`` (shapes, dtypes and
   # varying axes); unused, so the compiler drops the gather that makes them.
-  weights = stack.opened(_at(values, 0), _at(sinks, 0))
+  weights = stack.opened(_at(values, 0), _at(sinks, 0), stack.kept(_at(values, 0)))
   x0 = stack.x(weights, _at(others, 0))
   body, consts = jax.closure_convert(f, init, x0)
   return _layers(body, stack, consts, init, values, sinks, others)
@@ -314,20 +327,27 @@ def _layers(body, stack, consts, init, values, sinks, others):
 
 
 def _forward(body, stack: _Stack, consts, init, values, sinks, others):
-  """The prefetching forward loop: ``((carry, ys), residuals)``."""
+  """The prefetching forward loop: ``((carry, ys), residuals)``.
+
+  Under hpZ the residuals hold the secondary partitions of every layer but the
+  last (whose weights are kept whole), for the backward loop to gather from.
+  """
   last = stack.length - 1
-  weights = stack.opened(_at(values, 0), _at(sinks, 0))
+  kept = stack.kept(_at(values, 0))
+  weights = stack.opened(_at(values, 0), _at(sinks, 0), kept)
 
   def step(state, i):
-    carry, weights = state
-    upcoming = stack.opened(_at(values, i + 1), _at(sinks, i + 1))  # before the compute
+    carry, weights, kept = state
+    upcoming_kept = stack.kept(_at(values, i + 1))  # before the compute
+    upcoming = stack.opened(_at(values, i + 1), _at(sinks, i + 1), upcoming_kept)
     (carry, y), pullback = _vjp_layer(body, stack, consts, carry, weights, _at(others, i))
-    return (carry, upcoming), (y, pullback)
+    return (carry, upcoming, upcoming_kept), (y, pullback, kept)
 
-  (carry, weights), (ys, pullbacks) = jax.lax.scan(step, (init, weights), jnp.arange(last))
+  state = (init, weights, kept)
+  (carry, weights, _), (ys, pullbacks, kept) = jax.lax.scan(step, state, jnp.arange(last))
   (carry, y), pullback = _vjp_layer(body, stack, consts, carry, weights, _at(others, last))
   ys = jax.tree.map(lambda stacked, y: jnp.concatenate([stacked, y[None]]), ys, y)
-  return (carry, ys), (pullbacks, pullback, weights, consts, values, sinks, others)
+  return (carry, ys), (pullbacks, pullback, weights, kept, consts, values, sinks, others)
 
 
 def _forward_rule(body, stack, consts, init, values, sinks, others):
@@ -336,7 +356,7 @@ def _forward_rule(body, stack, consts, init, values, sinks, others):
 
 def _backward_rule(body, stack: _Stack, residuals, cotangents):
   """The reversed loop: layer i's VJP while layer i-1 is gathered and layer i+1 reduced."""
-  pullbacks, pullback, weights, consts, values, sinks, others = residuals
+  pullbacks, pullback, weights, kept, consts, values, sinks, others = residuals
   dcarry, dys = cotangents
   last = stack.length - 1
   targets = sinks if stack.reads else values
@@ -369,13 +389,15 @@ def _backward_rule(body, stack: _Stack, residuals, cotangents):
     return (grads, dweights) if stack.defer else (store(grads, dweights, i), [])
 
   # The last layer, with the weights the forward pass ended with.
-  upcoming = stack.opened(_at(values, last - 1), _at(sinks, last - 1)) if last else weights
+  opened = lambda i: stack.opened(_at(values, i), _at(sinks, i), _at(kept, i))
+  upcoming = opened(last - 1) if last else weights
   dcarry, dweights, dconsts, dothers = layer_vjp(pullback, weights, last, dcarry, dconsts, dothers)
   grads, pending = settle(grads, dweights, last)
 
   def step(state, i):
     dcarry, weights, pending, dconsts, dothers, grads = state
-    upcoming = stack.opened(_at(values, i - 1), _at(sinks, i - 1))  # before the compute
+    upcoming = opened(i - 1)  # before the compute
+
     grads = store(grads, pending, i + 1)  # layer i+1's gradient, one iteration late
     layer = jax.tree.map(lambda r: r[i], pullbacks)
     dcarry, dweights, dconsts, dothers = layer_vjp(layer, weights, i, dcarry, dconsts, dothers)

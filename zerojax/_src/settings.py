@@ -14,11 +14,11 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
+from zerojax._src import hpz, quantize, stages
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import offload as offload_lib
 from zerojax._src import precision as precision_lib
-from zerojax._src import quantize, stages
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -41,6 +41,7 @@ class Settings:
       all-gathers, or ``None``.
     quantized_gradients: that of the gradient reductions, or ``None``.
     offload: what lives in host memory between steps (``zerojax/_src/offload.py``).
+    secondary_axis: hpZ's intra-node data axis (or tuple of axes), or ``None``.
   """
 
   inner: optax.GradientTransformationExtraArgs
@@ -54,18 +55,31 @@ class Settings:
   quantized_weights: quantize.Quantization | None = None
   quantized_gradients: quantize.Quantization | None = None
   offload: offload_lib.Offload = dataclasses.field(default_factory=offload_lib.Offload)
+  secondary_axis: str | tuple[str, ...] | None = None
 
   @property
   def data_axes(self) -> tuple[str, ...]:
-    return layout_lib.axes(self.axis_name)
+    """The axes the parameters are split over jointly, in their order in a spec's entry.
+
+    ``axis_name``'s order, but under hpZ the secondary axes come first (see
+    ``hpz.py``): each device's secondary partition is then a contiguous block.
+    """
+    return hpz.ordered(layout_lib.axes(self.axis_name), self.secondary_axes)
 
   @property
   def replica_axes(self) -> tuple[str, ...]:
     return layout_lib.axes(self.replica_axis or ())
 
   @property
+  def secondary_axes(self) -> tuple[str, ...]:
+    """hpZ's secondary axes in ``axis_name``'s order; ``()`` without hpZ."""
+    named = layout_lib.axes(self.secondary_axis or ())
+    return tuple(name for name in layout_lib.axes(self.axis_name) if name in named)
+
+  @property
   def batch_axes(self) -> tuple[str, ...]:
-    return self.replica_axes + self.data_axes
+    """The replica axes, then ``axis_name``'s, as given (the batch is split in that order)."""
+    return self.replica_axes + layout_lib.axes(self.axis_name)
 
   @property
   def num_shards(self) -> int:
@@ -99,6 +113,7 @@ def resolve(
   quantized_gradients: str | None,
   quantization_block_size: int,
   offload: str | None = None,
+  secondary_axis: str | tuple[str, ...] | None = None,
 ) -> Settings:
   """Checks a factory's arguments and resolves them into ``Settings``.
 
@@ -117,6 +132,7 @@ def resolve(
     )
   quantize.check_stage(stage, quantized_weights)
   mesh = mesh_lib.resolve_mesh(mesh, axis_name, replica_axis)
+  hpz.resolve(stage, axis_name, secondary_axis, mesh)
   return Settings(
     inner=optax.with_extra_args_support(inner),
     stage=stages.of(stage),
@@ -133,4 +149,5 @@ def resolve(
       "quantized_gradients", quantized_gradients, quantization_block_size
     ),
     offload=offload_lib.resolve(offload, mesh),
+    secondary_axis=secondary_axis,
   )

@@ -120,6 +120,7 @@ class _ScatteredInLoss(Route):
       replica_axes=settings.replica_axes,
       quantized_weights=settings.quantized_weights,
       quantized_gradients=settings.quantized_gradients,
+      secondary_axes=settings.secondary_axes,
     )
 
 

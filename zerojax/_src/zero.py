@@ -58,6 +58,7 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     quantized_gradients: that of the gradient reductions, or ``None``.
     offload: ``None``, ``"optimizer"`` or ``"optimizer+master"``: what lives in
       host memory between steps (see the factories' ``offload``).
+    secondary_axis: stage 3's hpZ axis (or axes), as given, or ``None``.
 
   Example:
     >>> import copy, jax, jax.numpy as jnp, optax, zerojax
@@ -120,6 +121,10 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   @property
   def offload(self) -> str | None:
     return self._optimizer.settings.offload.mode
+
+  @property
+  def secondary_axis(self) -> str | tuple[str, ...] | None:
+    return self._optimizer.settings.secondary_axis
 
   @property
   def num_shards(self) -> int:
@@ -272,6 +277,7 @@ def zero1(
   quantized_gradients: str | None = None,
   quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
   offload: str | None = None,
+  secondary_axis: str | tuple[str, ...] | None = None,
 ) -> ZeroTransformation:
   """ZeRO stage 1: shards the optimizer state over the data axis.
 
@@ -294,6 +300,7 @@ def zero1(
     quantized_gradients: as in ``zero3``.
     quantization_block_size: as in ``zero3``.
     offload: as in ``zero3``.
+    secondary_axis: stage 3 only: must be ``None`` here.
 
   Returns:
     A ``ZeroTransformation``.
@@ -320,6 +327,7 @@ def zero1(
     quantized_gradients=quantized_gradients,
     quantization_block_size=quantization_block_size,
     offload=offload,
+    secondary_axis=secondary_axis,
   )
 
 
@@ -336,6 +344,7 @@ def zero2(
   quantized_gradients: str | None = None,
   quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
   offload: str | None = None,
+  secondary_axis: str | tuple[str, ...] | None = None,
 ) -> ZeroTransformation:
   """ZeRO stage 2: shards the optimizer state and the gradients.
 
@@ -357,6 +366,7 @@ def zero2(
     quantized_gradients: as in ``zero3``.
     quantization_block_size: as in ``zero3``.
     offload: as in ``zero3``.
+    secondary_axis: stage 3 only: must be ``None`` here.
 
   Returns:
     A ``ZeroTransformation``.
@@ -391,6 +401,7 @@ def zero2(
     quantized_gradients=quantized_gradients,
     quantization_block_size=quantization_block_size,
     offload=offload,
+    secondary_axis=secondary_axis,
   )
 
 
@@ -407,6 +418,7 @@ def zero3(
   quantized_gradients: str | None = None,
   quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
   offload: str | None = None,
+  secondary_axis: str | tuple[str, ...] | None = None,
 ) -> ZeroTransformation:
   """ZeRO stage 3: shards the optimizer state, the gradients and the parameters.
 
@@ -464,6 +476,17 @@ def zero3(
       dtype. Numbers do not change beyond rounding (another program, which
       XLA may fuse otherwise; docs/offload.md). Raises on a platform without
       ``pinned_host`` memory. ``None`` by default; see docs/offload.md.
+    secondary_axis: ZeRO++'s hierarchical partitioning (hpZ): the data axis
+      (or tuple of adjacent axes) of ``axis_name`` whose devices share a
+      node, e.g. ``axis_name=("node", "data"), secondary_axis="data"``.
+      Parameters are stored as without it, split over all of ``axis_name``;
+      each weight all-gather of ``zerojax.value_and_grad`` becomes one over
+      the other data axes (across nodes), which leaves each device its
+      secondary partition (1/(devices per node) of the layer), then one over
+      ``secondary_axis`` (inside the node). The forward pass keeps the
+      secondary partitions, and the backward pass gathers from them, inside
+      the node. Numbers do not change: the gradients' reduce-scatter still
+      spans all the data axes. ``None`` by default; see docs/compression.md.
 
   Returns:
     A ``ZeroTransformation``.
@@ -489,6 +512,7 @@ def zero3(
     quantized_gradients=quantized_gradients,
     quantization_block_size=quantization_block_size,
     offload=offload,
+    secondary_axis=secondary_axis,
   )
 
 
