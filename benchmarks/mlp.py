@@ -128,7 +128,9 @@ def flax_model(config: MlpConfig, policy: Callable | None, dtype: Any) -> tuple[
     config.d, config.hidden, dtype
   )
   x = jax.ShapeDtypeStruct((8, config.d), jnp.float32)
-  params = jax.eval_shape(layers.init, jax.random.key(0), x, None)["params"]
+  # The key is made inside: on a deviceless TPU no array may be made eagerly.
+  init = lambda x: layers.init(jax.random.key(0), x, None)
+  params = jax.eval_shape(init, x)["params"]
 
   def loss(params, x, y):
     h, _ = layers.apply({"params": params}, x.astype(dtype), None)

@@ -237,6 +237,34 @@ def test_trains_like_one_device(case):
       chex.assert_trees_all_close(a, e, rtol=0, atol=0.05 * moved)
 
 
+@pytest.mark.parametrize(
+  "kind, schedule, reduce", [(EXPLICIT, "1f1b", "microbatch"), (AUTO, "gpipe", "step")]
+)
+def test_hpz_inside_pipeline_stages_trains_like_one_device(kind, schedule, reduce):
+  # ZeRO++'s hpZ in each stage: layers sharded over node x data, the backward gathers from
+  # the copy split over data only; the numbers stay plain optax's.
+  mesh = jax.make_mesh((2, 2, 2), ("stage", "node", "data"), axis_types=(kind,) * 3)
+  tx = zerojax.zero3(
+    optimizer(), mesh=mesh, axis_name=("node", "data"), secondary_axis="data", min_shard_size=1
+  )
+  loss = pipelined_loss(schedule, reduce)
+  x, y = jax.device_put(make_batch(), NamedSharding(mesh, P(("node", "data"))))
+
+  @jax.jit
+  def step(params, state):
+    _, grads = zerojax.value_and_grad(loss, tx)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  with jax.set_mesh(mesh):
+    placed = placed_params(mesh)
+    params, state = tx.shard(placed), tx.init(placed)
+    for _ in range(STEPS):
+      params, state = step(params, state)
+    full = unstaged(tx.gather(params))
+  chex.assert_trees_all_close(full, reference("fp32"), **ROUNDING)
+
+
 def compiled_step(stage, schedule, reduce, microbatches, rows=BATCH):
   """The compiled explicit-path step on stage=2 x data=4 (explicit axes), not run."""
   mesh = make_mesh("stage=2,data=4", EXPLICIT)
