@@ -301,6 +301,10 @@ def test_the_estimator_refuses_hpz_where_it_cannot_be():
   for devices in (3, 8, 0):  # not dividing the data axes, or into one node
     with pytest.raises(ValueError, match=f"secondary_devices={devices} must divide num_devices"):
       zerojax.estimate_communication(1e9, num_devices=8, stage=3, secondary_devices=devices)
+  with pytest.raises(ValueError, match="with pipeline_stages is not modelled"):
+    zerojax.estimate_memory(1e9, num_devices=8, stage=3, secondary_devices=4, pipeline_stages=2)
+  flags = ["--params", "1e9", "--devices", "8", "--secondary", "4", "--pipeline-stages", "2"]
+  assert "hpZ is not estimated in pipeline stages" in estimate_cli.main(flags)
 
 
 def test_the_command_line_compares_zero3_with_and_without_hpz():
