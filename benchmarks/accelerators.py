@@ -75,7 +75,14 @@ PRECISIONS = {
   "fp32": (None, jnp.float32),
   "bf16": (zerojax.Precision(params="fp32", compute="bf16", reduce="bf16"), jnp.bfloat16),
 }
-ZERO3 = ("zero3 gather", "zero3 scan, prefetch=0", "zero3 scan", "zero3 Flax scan", "zero3 drop-in")
+ZERO3 = (
+  "zero3 gather",
+  "zero3 scan, prefetch=0",
+  "zero3 scan",
+  "zero3 scan, deferred reductions",
+  "zero3 Flax scan",
+  "zero3 drop-in",
+)
 SETUPS = ("plain DP", "GSPMD FSDP", "zero1", "zero2", *ZERO3)
 #: XLA:GPU flag sets ``--gpu-flags`` compares (each on top of XLA's defaults and
 #: ``deviceless.GPU_FLAGS``).
@@ -120,8 +127,7 @@ def build(name: str, config: mlp.MlpConfig, target: str, precision: str, policy:
   if name == "zero3 Flax scan":
     params, loss = mlp.flax_model(config, chosen, dtype)
   else:
-    stack = {"zero3 gather": "gather", "zero3 scan, prefetch=0": "scan, prefetch=0"}.get(name)
-    loss = mlp.make_loss(stack or "scan", chosen, dtype)
+    loss = mlp.make_loss(name.removeprefix("zero3 "), chosen, dtype)
   batch = mlp.abstract_batch(config, explicit)
   return setups_lib.zero_setup(name, tx, zerojax.value_and_grad(loss, tx), params, batch)
 

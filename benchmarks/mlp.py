@@ -70,6 +70,7 @@ def block(h: jax.Array, layer: dict[str, jax.Array], dtype: Any) -> jax.Array:
 STACKS = {
   "scan": "zerojax.scan, each layer gathered one ahead",
   "scan, prefetch=0": "zerojax.scan gathering each layer in its own iteration",
+  "scan, deferred reductions": "zerojax.scan, each layer's gradient reduced one iteration late",
   "gather": "jax.lax.scan under jax.checkpoint, the layer opened with zerojax.gather",
   "plain": "jax.lax.scan under jax.checkpoint on full (or GSPMD-sharded) weights",
 }
@@ -95,6 +96,8 @@ def make_loss(
       return zerojax.scan(layer, h, layers, policy=policy)
     if stack == "scan, prefetch=0":
       return zerojax.scan(layer, h, layers, prefetch=0, policy=policy)
+    if stack == "scan, deferred reductions":
+      return zerojax.scan(layer, h, layers, policy=policy, defer_reductions=True)
     if stack == "gather":
       opened = lambda h, weights: layer(h, zerojax.gather(weights))
       body = jax.checkpoint(opened, policy=zerojax.except_gathered(policy), prevent_cse=False)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zerojax
 import zerojax.flax
@@ -268,6 +269,35 @@ def flax_layers_that_stages_cannot_share(types):
     layers.apply(params, jnp.ones((8, 16)))
 
 
+def _scanned(types, layer, prefetch=1, **options):
+  """A stage-3 step whose loss runs ``layer`` with ``zerojax.scan`` over a stack of 4 layers."""
+  mesh = _mesh(types)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1, **options)
+  params = tx.shard({"w": jnp.ones((4, 8, 8))})
+  loss = lambda p, x: jnp.mean(zerojax.scan(layer, x, p["w"], prefetch=prefetch)[0])
+  grad_fn = zerojax.value_and_grad(loss, tx)
+  jax.jit(grad_fn)(params, jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data"))))
+
+
+def scan_body_returning_one_value(types):
+  _scanned(types, lambda h, w: jnp.tanh(h @ w))
+
+
+def scan_over_a_split_layer_axis(types):
+  _scanned(types, lambda h, w: (jnp.tanh(h @ w), None), layout={"w": P("data")})
+
+
+def deferred_reductions_without_prefetch(types):
+  zerojax.scan(
+    lambda h, w: (h, None), jnp.ones(2), jnp.ones((3, 2)), prefetch=0, defer_reductions=True
+  )
+
+
+def hpz_at_stage_2(types):
+  mesh = jax.make_mesh((2, 4), ("node", "data"), (types, types))
+  zerojax.zero2(optax.sgd(0.1), mesh=mesh, axis_name=("node", "data"), secondary_axis="data")
+
+
 # The first column of docs/guide.md's errors table, and the misuse that raises each.
 CASES = {
   "mesh has no axis 'dta' (its axes are ('data',)); did you mean axis_name='data'?": axis_name_typo,
@@ -343,6 +373,16 @@ CASES = {
   "layers['Dense_0']['bias'] stacks 3 layers, which the 2 stages of the 'stage' axis": (
     flax_layers_that_stages_cannot_share
   ),
+  "zerojax.scan's f must return a pair (carry, y), as jax.lax.scan's does": (
+    scan_body_returning_one_value
+  ),
+  "... whose leading (layer) axis is split over the data axes 'data'": (
+    scan_over_a_split_layer_axis
+  ),
+  "defer_reductions=True reduce-scatters each layer's gradient in the next iteration": (
+    deferred_reductions_without_prefetch
+  ),
+  "secondary_axis (ZeRO++'s hpZ) keeps a second, intra-node copy": hpz_at_stage_2,
 }
 
 # Misuses the table covers with another row's message.
