@@ -97,6 +97,9 @@ GPU_FLAGS = {
     "--xla_gpu_experimental_parallel_collective_overlap_limit=2 "
     "--xla_gpu_enable_while_loop_double_buffering=true"
   ),
+  "pipelined collectives and overlap limit 2": "--xla_gpu_enable_pipelined_all_gather=true "
+  "--xla_gpu_enable_pipelined_reduce_scatter=true "
+  "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
 }
 
 
@@ -127,7 +130,8 @@ def build(name: str, config: mlp.MlpConfig, target: str, precision: str, policy:
   if name == "zero3 Flax scan":
     params, loss = mlp.flax_model(config, chosen, dtype)
   else:
-    loss = mlp.make_loss(name.removeprefix("zero3 "), chosen, dtype)
+    # zero1 and zero2 (whose weights are read, not gathered) run zerojax.scan too.
+    loss = mlp.make_loss(name.removeprefix("zero3 ") if stage == 3 else "scan", chosen, dtype)
   batch = mlp.abstract_batch(config, explicit)
   return setups_lib.zero_setup(name, tx, zerojax.value_and_grad(loss, tx), params, batch)
 
@@ -338,7 +342,7 @@ def main() -> None:
       if args.gpu_flags
       else "setups"
     )
-    targets = "v5e-64" if args.scale else " ".join(args.targets)
+    targets = "v5e-64" if args.scale else "h100x8" if args.gpu_flags else " ".join(args.targets)
     begin = f"<!-- results: accelerators.py {mode} {targets} -->"
     report.write_markdown(args.markdown, text, begin, "Benchmarks")
 

@@ -138,10 +138,8 @@ def _block(layer: dict[str, jax.Array], h: jax.Array, heads: int) -> jax.Array:
 
 #: How ``make_loss`` runs the layer stack, by name.
 STACKS = {
-  "scan": "zerojax.scan, each layer gathered one ahead, one collective per layer",
+  "scan": "zerojax.scan, each layer gathered one ahead",
   "scan, prefetch=0": "zerojax.scan gathering each layer in its own iteration",
-  "per-leaf": "jax.lax.scan under jax.checkpoint(policy=zerojax.remat_policy), each leaf "
-  "gathered on its own (zerojax before prefetching and bucketing)",
   "gather": "jax.lax.scan under jax.checkpoint(policy=zerojax.remat_policy), the layer "
   "gathered with one zerojax.gather",
 }
@@ -178,11 +176,6 @@ def make_loss(
   run = {
     "scan": lambda h, layers: zerojax.scan(layer_step, h, layers),
     "scan, prefetch=0": lambda h, layers: zerojax.scan(layer_step, h, layers, prefetch=0),
-    "per-leaf": gathering(
-      lambda layer: jax.tree.map(
-        zerojax.gather, layer, is_leaf=lambda x: isinstance(x, zerojax.Shard)
-      )
-    ),
     "gather": gathering(zerojax.gather),
   }[stack]
 
