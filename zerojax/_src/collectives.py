@@ -206,9 +206,9 @@ def gather(tree: Any) -> Any:
   the body is about to use, so that only one layer is ever whole (or let
   ``zerojax.scan`` gather each layer for you, one layer ahead). Leaves that
   are already full arrays pass through, so the same model code runs at every
-  stage and outside ``value_and_grad`` (for evaluation). The shards of one
-  call travel together: one all-gather for all of them, and one
-  reduce-scatter for their gradients.
+  stage and outside ``value_and_grad`` (for evaluation). Each shard of one
+  call moves in an all-gather of its own, issued together (XLA may combine
+  them), and its gradient in a reduce-scatter of its own.
 
   Args:
     tree: a pytree whose leaves are ``Shard`` s or arrays.
