@@ -69,7 +69,7 @@ class Transformer(nn.Module):
   def __call__(self, x):
     h = zerojax.flax.gathered(nn.Embed)(VOCAB, LINEN_WIDTH)(x)
     if self.prefetching:
-      layers = zerojax.flax.scan(Block, length=LINEN_LAYERS)
+      layers = zerojax.flax.scan(Block, length=LINEN_LAYERS, defer_reductions=True)
     else:
       layers = nn.scan(
         zerojax.flax.remat_gathered(Block, prevent_cse=False),
@@ -143,6 +143,8 @@ def test_linen_zerojax_scan_matches_plain_optax(stage, mesh):
 def test_linen_zerojax_scan_gathers_one_layer_ahead(mesh):
   forward, backward = zerojax.diagnostics.loop_collectives(linen_zero(3, mesh, prefetching=True)[0])
   # One all-gather per sharded leaf of a layer; the backward pass gathers those its VJP reads.
+  # With defer_reductions=True (passed on to zerojax.scan) each reduction is of the gradient
+  # the previous iteration made, so nothing waits on its own iteration.
   assert forward.gathers > 0 and forward.reductions == 0
   assert backward.reductions == forward.gathers and 0 < backward.gathers <= forward.gathers
   assert all(loop.waiting_gathers == loop.waiting_reductions == 0 for loop in (forward, backward))
@@ -265,3 +267,12 @@ def test_nnx_optimizer_matches_plain_optax(stage, gather, prefetching, mesh):
   with jax.set_mesh(mesh):  # the optimizer's step counter is created on the mesh
     trajectory = nnx_train(tx, value_and_grad, tx.gather, prefetching)
   chex.assert_trees_all_close(trajectory, nnx_reference(), **ROUNDING)
+
+
+def test_nnx_scan_passes_defer_reductions_on():
+  # zerojax.scan refuses deferred reductions without prefetching: the refusal shows the option
+  # reached it.
+  layers = nnx.vmap(lambda rngs: nnx.Linear(4, 4, rngs=rngs))(nnx.Rngs(0).split(2))
+  step = lambda layer, h, _: (layer(h), None)
+  with pytest.raises(ValueError, match="defer_reductions=True reduce-scatters"):
+    zerojax.flax.nnx_scan(step, layers, jnp.ones((2, 4)), prefetch=0, defer_reductions=True)

@@ -116,6 +116,7 @@ def scan(
   length: int,
   prefetch: int = 1,
   policy: Callable[..., bool] | None = None,
+  defer_reductions: bool = False,
 ) -> type[nn.Module]:
   """``nn.scan`` of a layer over stacked parameters, run by ``zerojax.scan``.
 
@@ -140,6 +141,7 @@ def scan(
     policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``
       (``jax.checkpoint_policies.dots_saveable``, say); by default every value
       but the gathered weights is saved.
+    defer_reductions: as for ``zerojax.scan``.
 
   Returns:
     The module class.
@@ -182,7 +184,14 @@ def scan(
         return block.apply({"params": params}, carry, x)
 
       params = self.variables["params"]
-      return scan_lib.scan(layer, carry, (params, xs), prefetch=prefetch, policy=policy)
+      return scan_lib.scan(
+        layer,
+        carry,
+        (params, xs),
+        prefetch=prefetch,
+        policy=policy,
+        defer_reductions=defer_reductions,
+      )
 
   Scanned.__name__ = Scanned.__qualname__ = f"Scan{target.__name__}"
   return Scanned

@@ -136,6 +136,7 @@ def nnx_scan(
   *,
   prefetch: int = 1,
   policy: Callable[..., bool] | None = None,
+  defer_reductions: bool = False,
 ) -> tuple[Any, Any]:
   """``zerojax.scan`` over a stack of NNX layers (one module with stacked state, from ``nnx.vmap``).
 
@@ -153,6 +154,7 @@ def nnx_scan(
     xs: other per-layer inputs, each with a leading layer axis, or ``None``.
     prefetch: as for ``zerojax.scan``.
     policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``.
+    defer_reductions: as for ``zerojax.scan``.
 
   Returns:
     ``(carry, ys)``.
@@ -171,7 +173,14 @@ def nnx_scan(
     params, rest, x = inputs
     return f(nnx.merge(graphdef, params, rest), carry, x)
 
-  return scan_lib.scan(layer, carry, (params, rest, xs), prefetch=prefetch, policy=policy)
+  return scan_lib.scan(
+    layer,
+    carry,
+    (params, rest, xs),
+    prefetch=prefetch,
+    policy=policy,
+    defer_reductions=defer_reductions,
+  )
 
 
 def nnx_pipeline(
