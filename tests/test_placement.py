@@ -2,10 +2,12 @@
 
 import io
 import json
+import subprocess
 import sys
 
 import pytest
 
+from tests import environment
 from zerojax._src import launch, placement
 
 #: A process that prints what the launcher told it about its devices.
@@ -75,3 +77,23 @@ def test_processes_that_do_not_fit_the_host_are_refused(arguments, message):
   num_processes, devices_per_process, platform, accelerators = arguments
   with pytest.raises(ValueError, match=message):
     placement.place(num_processes, devices_per_process, platform, {}, accelerators)
+
+
+@pytest.mark.skipif(
+  placement.local_accelerators()[0] != "cpu", reason="a host with accelerators keeps them"
+)
+def test_use_cpu_devices_chooses_the_cpu_on_a_host_without_accelerators():
+  # Installed accelerator plugins (the test extra installs jax[cuda12-local] and libtpu, to
+  # compile for them) are not started on a host without their devices, only to fail loudly.
+  show = (
+    "import jax, zerojax; zerojax.distributed.use_cpu_devices(2); "
+    "print(jax.config.jax_platforms, jax.device_count())"
+  )
+  env = environment.subprocess_env()
+  env.pop("JAX_PLATFORMS", None)
+  done = subprocess.run(
+    [sys.executable, "-c", show], env=env, capture_output=True, text=True, timeout=120
+  )
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.split() == ["cpu", "2"]
+  assert "Traceback" not in done.stderr

@@ -6,6 +6,8 @@ import operator
 
 import jax
 
+from zerojax._src import placement
+
 
 def use_cpu_devices(count: int) -> None:
   """Gives JAX's CPU backend ``count`` devices (call it before anything touches a device).
@@ -18,6 +20,10 @@ def use_cpu_devices(count: int) -> None:
   ``jax.config.update("jax_num_cpu_devices", count)``, which takes precedence
   over ``XLA_FLAGS=--xla_force_host_platform_device_count``. Only the CPU
   platform is affected: on GPUs or TPUs the mesh still spans the accelerators.
+  On a host without any (no ``/dev/nvidia<N>``, ``/dev/accel<N>`` or
+  ``/dev/vfio/<N>``), and with no platform chosen (``JAX_PLATFORMS``), it also
+  sets ``jax_platforms`` to ``"cpu"``, so that accelerator plugins installed
+  there (``jax[cuda12]``, libtpu) are not started only to fail.
 
   Once the backend has started, the count cannot change any more: calling this
   again with the count it has does nothing, and with another count raises.
@@ -57,6 +63,8 @@ def use_cpu_devices(count: int) -> None:
   try:
     # Accepted before the backend starts, and afterwards if it is the value already set.
     jax.config.update("jax_num_cpu_devices", count)
+    if not jax.config.jax_platforms and placement.local_accelerators()[0] == "cpu":
+      jax.config.update("jax_platforms", "cpu")
   except RuntimeError:
     started_with = len(jax.local_devices(backend="cpu"))
     if started_with != count:
