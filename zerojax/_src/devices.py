@@ -63,7 +63,8 @@ def use_cpu_devices(count: int) -> None:
   try:
     # Accepted before the backend starts, and afterwards if it is the value already set.
     jax.config.update("jax_num_cpu_devices", count)
-    if not jax.config.jax_platforms and placement.local_accelerators()[0] == "cpu":
+    chosen = jax.config.jax_platforms  # pyright: ignore[reportAttributeAccessIssue] (a flag)
+    if not chosen and placement.local_accelerators()[0] == "cpu":
       jax.config.update("jax_platforms", "cpu")
   except RuntimeError:
     started_with = len(jax.local_devices(backend="cpu"))

@@ -258,7 +258,6 @@ def pipeline(
   """
   stacked = nn.scan(target, variable_axes={"params": 0}, split_rngs={"params": True}, length=length)
   fields = [f.name for f in dataclasses.fields(target) if f.name not in ("parent", "name")]
-  options = dict(microbatches=microbatches, schedule=schedule, axis_name=axis_name, reduce=reduce)
 
   class Pipelined(stacked):
     def __call__(self, carry, *, loss_fn=None, loss_params=None, targets=()):
@@ -272,8 +271,18 @@ def pipeline(
         return scan_lib.scan(layer, h, params, prefetch=prefetch, policy=policy)[0]
 
       stages = pipeline_lib.by_stage(self.variables["params"], axis_name)
-      head = dict(loss_fn=loss_fn, loss_params=loss_params, targets=targets)
-      return pipeline_lib.pipeline(stage_fn, stages, carry, **options, **head)
+      return pipeline_lib.pipeline(
+        stage_fn,
+        stages,
+        carry,
+        microbatches=microbatches,
+        schedule=schedule,
+        axis_name=axis_name,
+        reduce=reduce,
+        loss_fn=loss_fn,
+        loss_params=loss_params,
+        targets=targets,
+      )
 
   Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{target.__name__}"
   return Pipelined
