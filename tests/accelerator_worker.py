@@ -88,6 +88,8 @@ def zero(mesh, stage, stack=None):
       policy = zerojax.except_gathered(DOTS)
       body = jax.checkpoint(lambda h, w: block(h, zerojax.gather(w)), policy=policy)
       h, _ = jax.lax.scan(body, x, params)
+    elif stack == "defer":
+      h, _ = zerojax.scan(block, x, params, policy=DOTS, defer_reductions=True)
     else:
       h, _ = zerojax.scan(block, x, params, prefetch=stack, policy=DOTS)
     return jnp.mean(h**2)
@@ -121,6 +123,7 @@ def setups(target):
     "zero2": lambda: (zero(explicit, 2, stack=1), explicit),
     "zero3 scan": lambda: (zero(explicit, 3, stack=1), explicit),
     "zero3 scan, prefetch=0": lambda: (zero(explicit, 3, stack=0), explicit),
+    "zero3 scan, deferred reductions": lambda: (zero(explicit, 3, stack="defer"), explicit),
     "zero3 gather": lambda: (zero(explicit, 3, stack="gather"), explicit),
     "zero3 drop-in": lambda: (zero(auto, 3), auto),
   }

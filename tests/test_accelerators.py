@@ -24,7 +24,13 @@ from zerojax._src import deviceless
 
 #: One layer's weights (what a gather makes whole), in bytes.
 LAYER = 4 * 2 * worker.D * worker.F
-ZERO3 = ("zero3 scan", "zero3 scan, prefetch=0", "zero3 gather", "zero3 drop-in")
+ZERO3 = (
+  "zero3 scan",
+  "zero3 scan, deferred reductions",
+  "zero3 scan, prefetch=0",
+  "zero3 gather",
+  "zero3 drop-in",
+)
 # XLA:TPU takes 15-30 s of CPU per program here, so CI compiles for it the two paths that
 # open shards differently (the prefetching loop, and gather's derivative rule) and the
 # baseline; benchmarks/accelerators.py compiles every path.
@@ -48,13 +54,27 @@ def gpu() -> dict:
 
 
 def test_gpu_layer_loops_overlap_every_collective_with_compute():
-  loops = gpu()["zero3 scan"]["loops"]
+  # Deferred reductions (docs/performance.md's choice on GPUs): every collective of both layer
+  # loops is asynchronous, with compute between its start and its done, and none is of a value
+  # its own iteration computes.
+  loops = gpu()["zero3 scan, deferred reductions"]["loops"]
   assert len(loops) == 2  # forward and backward
   for loop in loops:
     moved = loop["gathers"] + loop["reductions"]
     assert moved and loop["asynchronous"] == moved, loop
     assert loop["overlapped"] == moved, loop  # compute between every start and its done
     assert loop["waiting_gathers"] == loop["waiting_reductions"] == 0, loop
+
+
+def test_gpu_layer_loops_overlap_every_gather_by_default():
+  # Reduced in their own iteration (the default), the gradients wait for that iteration's
+  # matmuls; the gathers still wait on nothing and overlap compute.
+  forward, backward = gpu()["zero3 scan"]["loops"]
+  for loop in (forward, backward):
+    moved = loop["gathers"] + loop["reductions"]
+    assert loop["asynchronous"] == moved and loop["waiting_gathers"] == 0, loop
+  assert forward["overlapped"] == forward["gathers"], forward
+  assert backward["overlapped"] >= backward["gathers"], backward
 
 
 def test_gpu_the_overlap_check_fails_on_a_serialised_loop():
