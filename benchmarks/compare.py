@@ -128,8 +128,10 @@ def prefetch_lines(by_name: dict[str, dict], ratios: dict[str, list[float]]) -> 
 
   On CPU collectives are synchronous, so prefetching cannot hide them; what
   shows is the cost of the rewritten loop. The aim for the parameter-heavy
-  preset is zero3 at 0.75x FSDP's step time (met on GPU, see
-  docs/performance.md; this says what the CPU makes of it).
+  preset is zero3 at 0.75x FSDP's step time (compiled for 8 x H100, XLA's
+  estimate gives 0.81x at default flags and 0.69x with the flag and
+  deferred reductions docs/performance.md recommends; this says what the
+  CPU makes of it).
   """
   lines = []
   for variant in ("zero3 explicit, scan, prefetch=0", "zero3 explicit, gather"):
