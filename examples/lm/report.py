@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import jax
-from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from . import configs
@@ -222,6 +221,10 @@ def plot(
   path: pathlib.Path, train_loss: list[float], val_loss: list[dict[str, float]], baseline: float
 ) -> None:
   """Saves the loss curves, with the unigram baseline for scale."""
+  # Imported here, at the end of a run, not with the module: it takes 0.6 s that every process
+  # of a multi-process run would pay before its first step.
+  from matplotlib.figure import Figure
+
   figure = Figure(figsize=(7, 4))
   ax = figure.subplots()
   ax.plot(train_loss, label="train", linewidth=0.8)
