@@ -182,11 +182,20 @@ def test_the_forward_pass_hands_the_last_layer_to_the_backward_pass():
   assert gathers[0] - gathers[1] == backward.gathers > 0
 
 
-def train(stage, prefetch, steps, mesh_kind="explicit", **options):
+@functools.cache
+def jitted(stage, prefetch, mesh_kind, **options):
+  """The transformation and its jitted step, built once for every test that trains with them."""
   tx = transformation(stage, mesh_kind, **options)
+  return tx, step_fn(tx, prefetch)
+
+
+@functools.cache
+def train(stage, prefetch, steps, mesh_kind="explicit", **options):
+  """The gathered parameters after ``steps`` steps, and the last loss (computed once per run)."""
+  tx, step = jitted(stage, prefetch, mesh_kind, **options)
   full = make_params()
   state, params = tx.init(full), tx.shard(full)
-  step, batch = step_fn(tx, prefetch), make_batch()
+  batch = make_batch()
   for _ in range(steps):
     params, state, loss = step(params, state, *batch)
   return tx.gather(tx.master_params(params, state)), float(loss)
