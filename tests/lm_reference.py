@@ -2,7 +2,8 @@
 
 tests/test_slurm.py (``srun -n 2``, 2 processes x 4 devices) and tests/test_elastic.py (a job
 that loses a process and ends on 1 x 4) check their losses against it. 2 x 4 trains like 1 x 8
-to 1e-6 (tests/test_multiprocess.py), so this run stands for an uninterrupted 2 x 4 one too.
+to 1e-6 (tests/test_multiprocess.py; the elastic job's steps before its checkpoint), so this run
+stands for an uninterrupted 2 x 4 one too.
 """
 
 import functools

@@ -206,6 +206,7 @@ def test_without_enough_processes_left_the_job_stops_naming_the_lost_one(jobs):
   status, text, _ = jobs["strict"]
   assert status != 0, text[-3000:]
   assert "[p0] tiny model" in text and "8 cpu devices (mesh data=8) in 2 processes" in text
+  assert "[p1] tiny model" not in text and "[p1] step" not in text  # process 0 reports
   assert "process 1 (pid" in text and "was killed by signal SIGKILL" in text  # vanished
   assert "restarting after attempt 1 failed (restart 1 of --max-restarts 3)" in text
   assert "lost_host_worker: process 1 is a host lost for good" in text  # and cannot start

@@ -420,20 +420,6 @@ def test_launcher_forwards_ctrl_c(tmp_path):
   assert "got SIGINT; stopping all 2 processes" in stderr
 
 
-def test_train_lm_runs_as_two_processes_like_one(tmp_path):
-  from examples import train_lm
-
-  flags = ["examples/train_lm.py", "--model", "tiny", "--steps", "3", "--eval-every", "3"]
-  done = run_launcher("-n", "2", "--devices-per-process", "4", *flags, "--out", str(tmp_path / "2"))
-  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-  assert "[p0] wrote" in done.stdout and "[p0] tiny model" in done.stdout
-  assert "[p1] wrote" not in done.stdout and "[p1] tiny model" not in done.stdout  # p0 reports
-  two = json.loads((tmp_path / "2" / "metrics.json").read_text())
-  one = train_lm.main([*flags[1:], "--out", str(tmp_path / "1")])
-  assert two["config"]["devices"] == one["config"]["devices"] == 8
-  np.testing.assert_allclose(two["train_loss"], one["train_loss"], rtol=1e-6)
-
-
 def run_code(code: str, **options) -> tuple[int, str]:
   """``launch`` of ``python -c code`` (2 processes unless told); the status and launcher output."""
   err = io.StringIO()
