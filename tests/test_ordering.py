@@ -137,7 +137,11 @@ def test_parameter_heavy_model_trains_without_aborting():
     subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for _ in range(2)
   ]
-  for run in runs:
-    out, err = run.communicate(timeout=300)
+  try:
+    outputs = [run.communicate(timeout=300) for run in runs]
+  finally:
+    for run in runs:
+      run.kill()  # a no-op once it has exited
+  for run, (out, err) in zip(runs, outputs, strict=True):
     assert run.returncode == 0, err[-3000:]
     assert out.startswith("ok ")
