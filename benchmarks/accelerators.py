@@ -89,6 +89,9 @@ SETUPS = ("plain DP", "GSPMD FSDP", "zero1", "zero2", *ZERO3)
 GPU_FLAGS = {
   "defaults": "",
   "collective overlap limit 2": "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
+  # XLA pipelines reduce-scatters in loops by default (explicit-path gradients, carried one
+  # iteration): this turns it off.
+  "no pipelined reduce-scatter": "--xla_gpu_enable_pipelined_reduce_scatter=false",
   "combine all-gathers up to 256 MiB": "--xla_gpu_all_gather_combine_threshold_bytes=268435456",
   "pipelined all-gather and reduce-scatter": "--xla_gpu_enable_pipelined_all_gather=true "
   "--xla_gpu_enable_pipelined_reduce_scatter=true",
