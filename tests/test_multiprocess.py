@@ -29,9 +29,6 @@ from zerojax._src import launch as launch_lib
 WORKER = "tests/multiprocess_worker.py"
 STAGES = (1, 2, 3)
 
-# The module fixture ``runs`` (two launches) is built once: every test here on one xdist worker.
-pytestmark = pytest.mark.xdist_group("test_multiprocess")
-
 
 def run_launcher(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
   """``python -m zerojax.launch ARGS`` from the repository root."""
