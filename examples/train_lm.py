@@ -11,10 +11,10 @@ once per device on its slice of the batch. Stage 0 is the baseline: replicated
 parameters and optimizer state, plain ``jax.value_and_grad`` under ``jax.jit``.
 At the end the script prints the compiled train step's per-device memory next
 to stage 0's, writes ``metrics.json`` and ``loss.png`` to ``--out``, and prints
-a sample. Every step's training loss is appended to ``--out``/``losses.jsonl``
-as it is computed (a line ``{"step": 5, "loss": 2.31...}``; with ``--resume``
-the file is continued, so it records every attempt of a restarted run, re-done
-steps included).
+a sample (``--no-report``: ``metrics.json`` only). Every step's training loss
+is appended to ``--out``/``losses.jsonl`` as it is computed (a line
+``{"step": 5, "loss": 2.31...}``; with ``--resume`` the file is continued, so it
+records every attempt of a restarted run, re-done steps included).
 
 On CPU the script asks JAX for ``--devices`` CPU devices (8 by default,
 ``zerojax.distributed.use_cpu_devices``), so the sharding is real. Usage::
@@ -273,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     "--report",
     action=argparse.BooleanOptionalAction,
     default=True,
-    help="end with the per-device memory table (compiling the stage-0 step too) and a sample; "
-    "--no-report skips both, e.g. for a long run where only the checkpoints matter",
+    help="end with the per-device memory table (compiling the stage-0 step too), a sample and "
+    "the loss plot; --no-report skips all three (metrics.json and losses.jsonl are still "
+    "written), e.g. for a long run where only the checkpoints matter",
   )
   parser.add_argument(
     "--log-every",

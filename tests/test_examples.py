@@ -133,4 +133,8 @@ def test_train_lm_offload_changes_no_loss_and_reports_host_bytes(flat_tiny_run, 
   # which changes no number beyond rounding (another program).
   metrics = train_lm.main([*TINY, "--steps", "4", "--offload", "optimizer", "--out", str(tmp_path)])
   chex.assert_trees_all_close(metrics["train_loss"], flat_tiny_run["train_loss"], **ROUNDING)
-  assert "optimizer state in host memory" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "optimizer state in host memory" in out
+  # --no-report: no memory table, no sample, no plot; the metrics and the loss log all the same.
+  assert f"wrote {tmp_path / 'metrics.json'}\n" in out and "sample:" not in out
+  assert sorted(path.name for path in tmp_path.iterdir()) == ["losses.jsonl", "metrics.json"]

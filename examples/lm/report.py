@@ -210,9 +210,12 @@ def metrics(
   }
 
 
-def write(out: pathlib.Path, metrics: dict[str, Any]) -> None:
-  """Writes ``metrics.json`` and the loss plot ``loss.png`` into ``out``, and says so."""
+def write(out: pathlib.Path, metrics: dict[str, Any], *, with_plot: bool = True) -> None:
+  """Writes ``metrics.json`` (and, ``with_plot``, the loss plot ``loss.png``) into ``out``."""
   (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+  if not with_plot:
+    print(f"wrote {out / 'metrics.json'}")
+    return
   plot(out / "loss.png", metrics["train_loss"], metrics["val_loss"], metrics["unigram_loss"])
   print(f"wrote {out / 'metrics.json'} and {out / 'loss.png'}")
 

@@ -117,7 +117,7 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     sample=sample,
   )
   if leader:
-    report.write(config.out, metrics)
+    report.write(config.out, metrics, with_plot=config.report)
   return metrics
 
 
