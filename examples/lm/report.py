@@ -212,12 +212,12 @@ def metrics(
 
 def write(out: pathlib.Path, metrics: dict[str, Any], *, with_plot: bool = True) -> None:
   """Writes ``metrics.json`` (and, ``with_plot``, the loss plot ``loss.png``) into ``out``."""
-  (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-  if not with_plot:
-    print(f"wrote {out / 'metrics.json'}")
-    return
-  plot(out / "loss.png", metrics["train_loss"], metrics["val_loss"], metrics["unigram_loss"])
-  print(f"wrote {out / 'metrics.json'} and {out / 'loss.png'}")
+  written = [out / "metrics.json"]
+  written[0].write_text(json.dumps(metrics, indent=2))
+  if with_plot:
+    written.append(out / "loss.png")
+    plot(written[1], metrics["train_loss"], metrics["val_loss"], metrics["unigram_loss"])
+  print("wrote", " and ".join(map(str, written)))
 
 
 def plot(
