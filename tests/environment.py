@@ -10,10 +10,13 @@
 * ``FAST_COMPILE``: the tests compile many small programs and run each a few
   times, so compiling dominates. XLA's CPU backend compiles without LLVM
   optimisation and with its older emitters instead of its MLIR fusion
-  emitters, in half the time. Two programs of different shapes (prefetching
-  or not, offloading or not) may round differently under these flags as under
-  the default ones: the tests compare such programs to a stated tolerance,
-  and bit for bit only the same program run twice (a resume, a restart);
+  emitters, in half the time, and each program as one LLVM module instead of
+  32 for threads to compile in parallel (on CI's 2 cores, busy with three test
+  processes, the split costs 10-20% more CPU). Two programs of different
+  shapes (prefetching or not, offloading or not) may round differently under
+  these flags as under the default ones: the tests compare such programs to a
+  stated tolerance, and bit for bit only the same program run twice (a resume,
+  a restart);
 * a persistent compilation cache that lives as long as the run, in a
   temporary directory that pytest-xdist's workers and the subprocesses the
   tests start (workers, launchers, examples) share through the environment,
@@ -30,7 +33,11 @@ from pathlib import Path
 #: The repository's root: subprocesses import ``zerojax``, ``tests`` and ``examples`` from it.
 ROOT = Path(__file__).resolve().parent.parent
 #: Compile in half the time (see the module's docstring).
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+FAST_COMPILE = (
+  "--xla_backend_optimization_level=0",
+  "--xla_cpu_use_fusion_emitters=false",
+  "--xla_cpu_parallel_codegen_split_count=1",
+)
 #: A CPU collective stuck for this long aborts the process, instead of hanging the test.
 STUCK_COLLECTIVES_ABORT = "--xla_cpu_collective_call_terminate_timeout_seconds=20"
 _DEVICE_COUNT = "--xla_force_host_platform_device_count"
@@ -43,7 +50,8 @@ def prepare() -> None:
   # xdist's workers inherit the flags, and the cache directory, from the process that starts
   # them (which removes the directory at exit), so every process of a run shares one cache.
   # A flag given already wins: XLA_FLAGS="--xla_backend_optimization_level=3
-  # --xla_cpu_use_fusion_emitters=true" runs the tests as users compile (XLA's defaults).
+  # --xla_cpu_use_fusion_emitters=true --xla_cpu_parallel_codegen_split_count=32" runs the tests
+  # as users compile (XLA's defaults).
   flags = os.environ.get("XLA_FLAGS", "").split()
   given = {flag.split("=")[0] for flag in flags}
   fast = [flag for flag in FAST_COMPILE if flag.split("=")[0] not in given]
