@@ -11,6 +11,29 @@ import zerojax  # noqa: E402
 
 zerojax.distributed.use_cpu_devices(8)
 
+#: The test modules that take longest, in wall time, longest first: pytest-xdist hands modules to
+#: its workers in collection order (``--no-loadscope-reorder`` in pyproject.toml), so these start
+#: first and the short ones fill in around them, instead of a long one starting last and running
+#: alone. Those that mostly wait on subprocesses (SLURM, restarts) lead: the others fill the
+#: cores meanwhile. The rest keep their order.
+LONGEST_FIRST = (
+  "test_slurm",
+  "test_fault_tolerance",
+  "test_examples",
+  "test_equivalence",
+  "test_multiprocess",
+  "test_overlap",
+  "test_pipeline",
+  "test_offload",
+  "test_elastic",
+  "test_ordering",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: modules stay whole
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _eight_devices():
