@@ -79,13 +79,18 @@ def test_explicit_path_matches_plain_optax(name, stage, problem, mesh):
 
 
 # The drop-in path differs from the explicit one only in the gradients handed to
-# tx.update (full, from jax.grad, instead of reduce-scattered), so every
-# optimizer runs it at stage 3, where parameters are split too, and the ones
-# with norms or whole-matrix math run it at every stage.
-DROP_IN_CASES = [(3, name) for name in sorted(OPTIMIZERS)] + [
-  (stage, name)
-  for stage in (1, 2)
-  for name in ("adam", "clip_by_global_norm", "lamb", "adafactor", "muon", "multi_steps")
+# tx.update (full, from jax.grad, instead of reduce-scattered), whatever the optimizer. So it
+# runs at stage 3, where parameters are split too, with adam standing for the optimizers that
+# work element by element, and with every optimizer that does more (norms, whole-matrix math,
+# factored or per-dimension statistics, wrappers); those with norms or whole-matrix math run it
+# at stage 1 too. Not at stage 2: given full gradients, stage 2 stores what stage 1 stores, and
+# its step compiles to stage 1's program.
+ELEMENT_BY_ELEMENT = {
+  *("sgd_momentum", "adamw", "lion", "adagrad", "rmsprop", "adabelief", "yogi", "radam"),
+  *("nadamw", "amsgrad", "adamax", "adadelta", "adan", "inject_hyperparams"),
+}
+DROP_IN_CASES = [(3, name) for name in sorted(OPTIMIZERS) if name not in ELEMENT_BY_ELEMENT] + [
+  (1, name) for name in ("adam", "clip_by_global_norm", "lamb", "adafactor", "muon", "multi_steps")
 ]
 
 

@@ -9,8 +9,9 @@ hold the factor, goes non-finite (and only its shard, once reduce-scattered).
 Every position the check could miss is tried: the first leaf, the last (a
 replicated scalar), a middle layer of a stacked leaf, the last real column of a
 padded leaf (on the shard that also holds the padding) and a replicated leaf;
-in every stage, on the explicit path (``zerojax.value_and_grad``) and the
-drop-in path (``jax.value_and_grad`` + ``tx.update``), with inf and NaN in fp32
+in every stage on the explicit path (``zerojax.value_and_grad``) and in stages 1
+and 3 on the drop-in path (``jax.value_and_grad`` + ``tx.update``; stage 2
+compiles to stage 1's program there), with inf and NaN in fp32
 and bf16 and a true fp16 overflow (a finite factor whose scaled gradient
 exceeds fp16's range), with quantized gradients, and in one micro-batch of
 four. Each step is compiled once per (stage, path, precision); only the data
@@ -127,7 +128,7 @@ def make_loss(compute_dtype):
 
 def mesh_for(stage, path):
   """Explicit axes for some (stage, path) pairs and Auto for the others: both get tested."""
-  explicit = (stage + (path == "drop-in")) % 2 == 1
+  explicit = stage == 1 or (stage == 3 and path == "explicit")
   return jax.make_mesh((8,), ("data",), (AxisType.Explicit if explicit else AxisType.Auto,))
 
 
@@ -239,11 +240,14 @@ def assert_applied(run):
     assert np.isfinite(a).all() and not np.array_equal(a, b), jax.tree_util.keystr(path)
 
 
+# Not stage 2 on the drop-in path: given full gradients, stage 2 stores what stage 1 stores,
+# and its step compiles to stage 1's program.
 CASES = [
   (stage, path, precision)
   for stage in (1, 2, 3)
   for path in ("explicit", "drop-in")
   for precision in PRECISIONS
+  if (stage, path) != (2, "drop-in")
 ]
 BAD_CASES = [
   (*case, position, value) for case in CASES for position in POSITIONS for value in VALUES[case[2]]
