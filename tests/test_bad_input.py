@@ -401,7 +401,7 @@ def unplaced_gradients(types):
     tx = getattr(zerojax, f"zero{stage}")(optax.adam(0.1), mesh=_mesh(types), min_shard_size=1)
     params = tx.shard({"w": jnp.arange(91.0).reshape(7, 13)})  # padded to (7, 16)
     loss = lambda params, x: jnp.mean(jnp.sin(x @ zerojax.gather(params)["w"]))
-    _, grads = zerojax.value_and_grad(loss, tx)(params, jnp.ones((8, 7)))
+    _, grads = jax.jit(zerojax.value_and_grad(loss, tx))(params, jnp.ones((8, 7)))
     state = tx.init(params)
     padded = jax.tree.map(np.asarray, grads)
     logical = {"w": padded["w"][:, :13]}
@@ -484,7 +484,7 @@ def test_evaluation_runs_on_gathered_parameters_not_on_the_stored_shards(types):
     return jnp.mean(zerojax.scan(layer, h, params["layers"])[0])
 
   x = jnp.ones((8, 64))
-  expected, _ = zerojax.value_and_grad(loss_fn, tx)(params, x)
+  expected, _ = jax.jit(zerojax.value_and_grad(loss_fn, tx))(params, x)
   assert jax.jit(loss_fn)(tx.gather(params), x) == pytest.approx(float(expected), rel=1e-5)
   if types == AxisType.Explicit:
     with pytest.raises(Exception, match="Contracting dimensions are sharded"):

@@ -232,7 +232,7 @@ def test_loss_scaling_needs_the_state(mesh):
 
 def test_master_copy_update_needs_params(mesh):
   tx, params, state = start(1, mesh, optax.sgd(0.1), "bf16")
-  _, grads = zerojax.value_and_grad(models.loss_fn, tx)(params, *models.make_batch())
+  _, grads = jax.jit(zerojax.value_and_grad(models.loss_fn, tx))(params, *models.make_batch())
   with pytest.raises(ValueError, match=r"tx.update\(grads, state, params\)"):
     tx.update(grads, state)
 
