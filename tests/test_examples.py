@@ -40,22 +40,17 @@ def test_train_lm_tiny_learns_and_reports(tmp_path, capsys):
   assert metrics["sample"].startswith("def ")
 
 
-def test_train_lm_fp16_with_micro_batches_learns(tmp_path):
-  flags = [*TINY, "--steps", "20", "--stage", "2", "--out", str(tmp_path)]
-  metrics = train_lm.main([*flags, "--precision", "fp16", "--microbatches", "2"])
+def test_train_lm_fp16_micro_batches_and_quantized_communication_learn(tmp_path):
+  # Every option that changes the step, at once (stage 2: the multi-axis test below).
+  fp16 = ["--precision", "fp16", "--microbatches", "2"]
+  quantized = ["--quantized-weights", "int8", "--quantized-gradients", "int4"]
+  metrics = train_lm.main([*TINY, "--steps", "20", "--out", str(tmp_path), *fp16, *quantized])
   losses = metrics["train_loss"]
   # fp16 starts at DeepSpeed's loss scale, 2^16: the first steps overflow and
   # are skipped while the scale backs off, as they are in DeepSpeed.
   assert 0 < metrics["skipped_steps"] < 10
   assert losses[-1] < 0.8 * losses[0]
   assert len(metrics["pre_clip_grad_norm"]) == 20
-
-
-def test_train_lm_learns_with_quantized_communication(tmp_path):
-  flags = [*TINY, "--steps", "20", "--out", str(tmp_path)]
-  quantized = ["--quantized-weights", "int8", "--quantized-gradients", "int4"]
-  metrics = train_lm.main([*flags, *quantized])
-  assert metrics["train_loss"][-1] < 0.8 * metrics["train_loss"][0]
   config = metrics["config"]
   assert (config["quantized_weights"], config["quantized_gradients"]) == ("int8", "int4")
 
@@ -64,22 +59,22 @@ def test_digits_nnx_classifies():
   assert digits_nnx.main(["--steps", "100"])["test_accuracy"] > 0.9
 
 
-def test_train_lm_resumes_where_it_stopped(tmp_path):
-  # Six steps straight, against three steps restored from a checkpoint and
-  # three more: same batches (a function of the step), same losses, bit for bit.
-  flags = [*TINY, "--steps", "6", "--save-every", "3", "--out", str(tmp_path)]
-  straight = train_lm.main([*flags, "--checkpoint-dir", str(tmp_path / "straight")])
-  shutil.copytree(tmp_path / "straight" / "3", tmp_path / "resumed" / "3")
+def test_train_lm_resumes_where_it_stopped(flat_tiny_run, tmp_path):
+  # The flat run's four steps straight, against two steps restored from its checkpoint and
+  # two more: same batches (a function of the step), same losses, bit for bit.
+  straight, out = flat_tiny_run
+  flags = [*TINY, "--steps", "4", "--save-every", "2", "--out", str(tmp_path)]
+  shutil.copytree(out / "checkpoints" / "2", tmp_path / "resumed" / "2")
   resumed = train_lm.main([*flags, "--checkpoint-dir", str(tmp_path / "resumed"), "--resume"])
-  assert resumed["first_step"] == 4
-  assert resumed["train_loss"] == straight["train_loss"][3:]
-  final = [zerojax.load_params(tmp_path / name, step=6) for name in ("straight", "resumed")]
+  assert resumed["first_step"] == 3
+  assert resumed["train_loss"] == straight["train_loss"][2:]
+  final = [zerojax.load_params(d, step=4) for d in (out / "checkpoints", tmp_path / "resumed")]
   chex.assert_trees_all_equal(*final, strict=True)
   # Resumed once more after the last step (a restart loop's extra round): nothing
   # trains, and the finished run's outputs stay as they were.
   written = (tmp_path / "metrics.json").read_text()
   again = train_lm.main([*flags, "--checkpoint-dir", str(tmp_path / "resumed"), "--resume"])
-  assert again["first_step"] == 7 and again["train_loss"] == []
+  assert again["first_step"] == 5 and again["train_loss"] == []
   assert (tmp_path / "metrics.json").read_text() == written
 
 
@@ -107,32 +102,38 @@ def test_a_resumed_run_keeps_the_schedule_its_checkpoints_started_with(tmp_path)
 
 @pytest.fixture(scope="module")
 def flat_tiny_run(tmp_path_factory):
+  """Four steps of the tiny model on 8 devices of one data axis, checkpointed every two steps.
+
+  Returns its metrics and its output directory (checkpoints in ``checkpoints/``).
+  """
   out = tmp_path_factory.mktemp("flat")
-  return train_lm.main([*TINY, "--steps", "4", "--out", str(out)])
+  checkpoints = ["--save-every", "2", "--checkpoint-dir", str(out / "checkpoints")]
+  return train_lm.main([*TINY, "--steps", "4", *checkpoints, "--out", str(out)]), out
 
 
 @pytest.mark.parametrize(
   "mesh, flags",
   [
-    ("replica=2,data=4", ()),
+    ("replica=2,data=4", ("--stage", "2")),
     ("data=4,model=2", ()),
     ("stage=2,data=4", ("--microbatches", "4", "--schedule", "1f1b")),
     ("node=2,data=4", ("--secondary-axis", "data")),
   ],
 )
 def test_train_lm_on_a_multi_axis_mesh_trains_like_a_flat_one(mesh, flags, flat_tiny_run, tmp_path):
-  # Hybrid sharding, tensor parallelism over the attention and MLP weights, pipeline stages
-  # and ZeRO++'s hpZ over two nodes: the same losses as 8 devices on one data axis, to rounding.
+  # Hybrid sharding (at stage 2), tensor parallelism over the attention and MLP weights,
+  # pipeline stages and ZeRO++'s hpZ over two nodes: the same losses as stage 3 on 8 devices of
+  # one data axis, to rounding.
   metrics = train_lm.main([*TINY, "--steps", "4", "--mesh", mesh, *flags, "--out", str(tmp_path)])
   assert metrics["config"]["mesh"] == train_lm.parse_mesh(mesh)
-  np.testing.assert_allclose(metrics["train_loss"], flat_tiny_run["train_loss"], rtol=1e-5)
+  np.testing.assert_allclose(metrics["train_loss"], flat_tiny_run[0]["train_loss"], rtol=1e-5)
 
 
 def test_train_lm_offload_changes_no_loss_and_reports_host_bytes(flat_tiny_run, tmp_path, capsys):
   # The flat run is stage 3 in fp32: --offload optimizer moves its Adam state to host memory,
   # which changes no number beyond rounding (another program).
   metrics = train_lm.main([*TINY, "--steps", "4", "--offload", "optimizer", "--out", str(tmp_path)])
-  chex.assert_trees_all_close(metrics["train_loss"], flat_tiny_run["train_loss"], **ROUNDING)
+  chex.assert_trees_all_close(metrics["train_loss"], flat_tiny_run[0]["train_loss"], **ROUNDING)
   out = capsys.readouterr().out
   assert "optimizer state in host memory" in out
   # --no-report: no memory table, no sample, no plot; the metrics and the loss log all the same.
