@@ -12,8 +12,7 @@ state in host memory; train stage 3 on a (node, data) mesh whose nodes are the
 processes, split over both axes, with hpZ and without;
 provoke ``global_batch``'s errors, and ``tx.shard``'s for models that differ. Every process writes
 what it saw to ``OUT/p<process id>.npz`` and ``.json``. The test runs the same
-function in its own single process for the comparison. ``die``: train until
-process 1 kills itself with SIGKILL. ``raise OUT``: every process starts a
+function in its own single process for the comparison. ``raise OUT``: every process starts a
 checkpoint save into ``OUT`` at step 2, and process 1 raises while it is in flight.
 ``preempt``: with JAX's preemption service off (so ``preemption_requested``
 all-gathers its own SIGTERM flag), process 1 sends itself SIGTERM at step 3;
@@ -213,8 +212,6 @@ def steps(mode: str, out: Path | None = None) -> None:
   for count in range(10**6):
     params, state, loss = step(params, state, *batch)
     print(f"step {count}: loss {float(loss):.4f}", flush=True)
-    if mode == "die" and count == 1 and faulty:
-      os.kill(os.getpid(), signal.SIGKILL)
     if mode == "raise" and count == 2:
       # A save in flight, whose commit waits for the other process, as the fault strikes.
       checkpoints = zerojax.CheckpointManager(out / "checkpoint", checkpoint_spec(mesh))
@@ -231,7 +228,7 @@ def steps(mode: str, out: Path | None = None) -> None:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", choices=["train", "die", "raise", "preempt"])
+  parser.add_argument("mode", choices=["train", "raise", "preempt"])
   parser.add_argument("out", type=Path, nargs="?")
   parser.add_argument("restore", type=Path, nargs="?")
   args = parser.parse_args(argv)
