@@ -134,9 +134,10 @@ def test_linen_train_state_matches_plain_optax(stage, mesh):
   chex.assert_trees_all_close(linen_zero(stage, mesh)[1], linen_reference(), **ROUNDING)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_linen_zerojax_scan_matches_plain_optax(stage, mesh):
-  trajectory = linen_zero(stage, mesh, prefetching=True)[1]
+def test_linen_zerojax_scan_matches_plain_optax(mesh):
+  # Stage 3, where the scan gathers and reduce-scatters; zerojax.flax.scan hands every stage
+  # to zerojax.scan alike (stage 2's deferred reductions: tests/test_overlap.py).
+  trajectory = linen_zero(3, mesh, prefetching=True)[1]
   chex.assert_trees_all_close(trajectory, linen_reference(), **ROUNDING)
 
 
