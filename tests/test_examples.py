@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from examples import digits_nnx, train_lm
+from examples import train_lm
 from examples.lm import train as lm_train
 from tests.helpers import ROUNDING
 
@@ -56,6 +56,8 @@ def test_train_lm_fp16_micro_batches_and_quantized_communication_learn(tmp_path)
 
 
 def test_digits_nnx_classifies():
+  from examples import digits_nnx  # scikit-learn's import: 1.5 s, for this test only
+
   assert digits_nnx.main(["--steps", "100"])["test_accuracy"] > 0.9
 
 
