@@ -371,27 +371,21 @@ def test_launcher_stops_everyone_when_one_process_dies():
   # tests/test_fault_tolerance.py's kill.)
   code = "import os, signal, time; p = os.environ['ZEROJAX_PROCESS_ID']; "
   code += "os.kill(os.getpid(), signal.SIGKILL) if p == '1' else time.sleep(60)"
-  err = io.StringIO()
   begin = time.monotonic()
-  status = launch.launch(
-    [sys.executable, "-c", code], num_processes=2, stdout=io.StringIO(), stderr=err
-  )
-  assert status == 128 + signal.SIGKILL, err.getvalue()
-  assert "process 1 (pid" in err.getvalue() and "was killed by signal SIGKILL" in err.getvalue()
+  status, err = run_code(code)
+  assert status == 128 + signal.SIGKILL, err
+  assert "process 1 (pid" in err and "was killed by signal SIGKILL" in err
   assert time.monotonic() - begin < 30
 
 
 def test_launcher_reports_the_first_failure():
   code = "import os, sys, time; p = os.environ['ZEROJAX_PROCESS_ID']; "
   code += "sys.exit(3) if p == '1' else time.sleep(60)"
-  err = io.StringIO()
   begin = time.monotonic()
-  status = launch.launch(
-    [sys.executable, "-c", code], num_processes=3, stdout=io.StringIO(), stderr=err
-  )
+  status, err = run_code(code, num_processes=3)
   assert status == 3
-  assert "process 1 (pid" in err.getvalue() and "exited with code 3" in err.getvalue()
-  assert "stopping the 2 other running process(es)" in err.getvalue()
+  assert "process 1 (pid" in err and "exited with code 3" in err
+  assert "stopping the 2 other running process(es)" in err
   assert time.monotonic() - begin < 30
 
 
