@@ -5,7 +5,7 @@ the stack whose dimensions are prime: the program that made XLA:CPU abort in
 its collective rendezvous before zerojax ordered the collectives around loops
 (see zerojax/_src/ordering.py). Run by tests/test_ordering.py, or by hand:
 
-  python tests/collective_order_worker.py --stage 2 --steps 60 [--without-ordering]
+  python tests/collective_order_worker.py --stage 2 --steps 30 [--without-ordering]
 
 ``--without-ordering`` switches the fix off, to measure how often the abort
 happens without it. Prints ``ok <loss>`` and exits 0 when every step ran.
