@@ -161,13 +161,21 @@ class _ValueAndGrad:
       scaled = loss if scale is None else loss.astype(jnp.float32) * scale
       return scaled, (loss, aux)
 
+    def accumulable(grads):
+      return routed(lambda route, leaf, g: route.accumulable(leaf, g, settings), grads)
+
     def micro_step(chunk):
       grads, (loss, aux) = jax.grad(local_loss, has_aux=True)(differentiable, *chunk)
-      return loss, aux, routed(lambda route, leaf, g: route.accumulable(leaf, g, settings), grads)
+      return loss, aux, accumulable(grads)
 
     divisor = settings.num_shards * settings.num_replicas * self.microbatches
     self._warn_if_summed(lambda *chunk: local_loss(differentiable, *chunk)[1], batch, divisor)
-    loss, aux, grads = _accumulate(micro_step, batch, self.microbatches, settings.batch_axes)
+    # A gradient has the shape and dtype of what it differentiates: so the sum over micro-batches
+    # starts from zeros of these, found without tracing the loss once more.
+    summed = jax.eval_shape(accumulable, differentiable)
+    loss, aux, grads = _accumulate(
+      micro_step, batch, self.microbatches, summed, settings.batch_axes
+    )
 
     def mean(leaf, grad):
       grad = grad.astype(leaf.dtype) / divisor
@@ -239,21 +247,20 @@ def _describe(x: Any) -> str:
   return f"an array of shape {tuple(shape)}" if shape is not None else f"a {type(x).__name__}"
 
 
-def _accumulate(micro_step, batch, microbatches, axes):
+def _accumulate(micro_step, batch, microbatches, summed, axes):
   """Runs ``micro_step`` on each of ``microbatches`` slices of ``batch``, summing gradients.
 
   Returns the mean loss, every slice's aux stacked in batch order, and the
-  summed gradients, in the shapes ``micro_step`` gives them: so stages 2 and 3
-  accumulate reduce-scattered shards, and stage 1 the full local gradient.
+  summed gradients, in the shapes ``micro_step`` gives them (``summed``'s shapes
+  and dtypes): so stages 2 and 3 accumulate reduce-scattered shards, and stage
+  1 the full local gradient.
   """
   if microbatches == 1:
     loss, aux, grads = micro_step(batch)
     return loss, jax.tree.map(lambda a: jnp.asarray(a)[None], aux), grads
   chunks = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
-  first = jax.tree.map(lambda x: x[0], chunks)
   zeros = jax.tree.map(
-    lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying"),
-    jax.eval_shape(micro_step, first)[2],
+    lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying"), summed
   )
 
   def body(total, chunk):
