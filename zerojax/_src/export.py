@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import json
 import logging
 import math
@@ -130,9 +129,6 @@ def _read(manager: ocp.CheckpointManager, step: int, saved: Any, leaf: _Leaf) ->
   del restored
   widened = array.astype(full_precision(array.dtype), copy=False)
   del array
-  # Orbax's restore leaves reference cycles that hold the read buffer; without
-  # a collection it would live on into the next leaf's read.
-  gc.collect()
   return widened
 
 
