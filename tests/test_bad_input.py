@@ -514,7 +514,7 @@ def test_a_chain_runs_eagerly_under_set_mesh_and_in_jit():
 
 
 def test_the_summed_loss_check_traces_silently(capsys):
-  # The check traces the loss twice more; what the loss prints while traced shows once.
+  # The check traces the loss once more, at twice its batch; what the loss prints shows once.
   tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(AxisType.Explicit))
 
   def loss(params, x):

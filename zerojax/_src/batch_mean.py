@@ -19,23 +19,34 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import ShapedArray
 from jax.extend import core
 
 
-def looks_summed(fn: Callable[..., Any], batch: Sequence[Any], rows: int | None = None) -> bool:
-  """Whether ``fn(*batch)`` (a scalar, or a pair whose first item is) sums over the batch.
+def looks_summed(
+  fn: Callable[..., Any],
+  batch: Sequence[Any],
+  *,
+  params: Sequence[Any] = (),
+  traced: core.ClosedJaxpr | None = None,
+) -> bool:
+  """Whether ``fn(*params, *batch)`` (a scalar, or a tuple whose first leaf is) sums over the batch.
 
-  ``fn`` is traced on ``rows`` rows of each batch argument and on twice as
-  many: it sums if its value depends on the batch, no constant of the trace
-  changes with the batch size, and it divides by no scalar computed from the
-  batch. A loss that cannot be traced at another batch size gets no verdict
+  ``fn`` is traced on ``batch`` and on twice as many rows of each of its
+  arguments: it sums if its value depends on the batch, no constant of the
+  trace changes with the batch size, and it divides by no scalar computed from
+  the batch. A loss that cannot be traced at another batch size gets no verdict
   (``False``). Nothing runs, nothing is added to an enclosing trace, and what
-  the loss prints or warns while traced is dropped (its real trace shows it).
+  the loss prints or warns while traced at twice the size is dropped (its real
+  trace shows it).
 
   Args:
-    fn: the loss of one micro-batch, its parameters closed over.
-    batch: its arguments, arrays (or tracers) with a leading batch dimension.
-    rows: the batch size to trace at; by default the arguments' own.
+    fn: the loss of one micro-batch.
+    batch: its batch arguments, arrays, tracers or their types, with a leading
+      batch dimension.
+    params: arguments before the batch that do not change with it.
+    traced: ``jax.make_jaxpr(fn)(*params, *batch)``, if the caller has it
+      (then only the trace at twice the size is made here).
 
   Example:
     >>> import jax.numpy as jnp
@@ -45,22 +56,27 @@ def looks_summed(fn: Callable[..., Any], batch: Sequence[Any], rows: int | None 
     >>> masked_mean = lambda x: jnp.sum(x * (x > 0)) / jnp.sum(x > 0)
     >>> looks_summed(masked_mean, batch)
     False
+    >>> looks_summed(lambda w, x: jnp.sum(x @ w), batch, params=(jnp.ones(3),))
+    True
   """
-  loss = lambda *batch: jax.tree.leaves(fn(*batch))[0]
+  typed = lambda x: x if isinstance(x, ShapedArray) else jax.typeof(x)
   sized = lambda factor: jax.tree.map(
-    lambda x: jax.typeof(x).update(shape=(factor * (rows or x.shape[0]), *x.shape[1:])), batch
+    lambda x: typed(x).update(shape=(factor * x.shape[0], *x.shape[1:])), batch
   )
   try:  # the loss may fix its batch size; then there is no verdict
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
       warnings.simplefilter("ignore")
-      small, large = (jax.make_jaxpr(loss)(*sized(factor)) for factor in (1, 2))
+      small = traced or jax.make_jaxpr(fn)(*params, *sized(1))
+      large = jax.make_jaxpr(fn)(*params, *sized(2))
   except Exception:
     return False
   if small.jaxpr.outvars[0].aval.shape:  # not a loss; value_and_grad says so
     return False
   if _constants(small.jaxpr) != _constants(large.jaxpr):
     return False
-  depends, divides = _batch_dependence(small.jaxpr, [True] * len(small.jaxpr.invars))
+  fixed = len(jax.tree.leaves(params))
+  marked = [i >= fixed for i in range(len(small.jaxpr.invars))]
+  depends, divides = _batch_dependence(small.jaxpr, marked)
   return depends[0] and not divides
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -164,12 +165,19 @@ class _ValueAndGrad:
     def accumulable(grads):
       return routed(lambda route, leaf, g: route.accumulable(leaf, g, settings), grads)
 
+    # The loss is traced once, here, for both the gradient and the check for a summed loss.
+    chunk = _micro_batch(batch, self.microbatches)
+    traced, out_shape = jax.make_jaxpr(local_loss, return_shape=True)(differentiable, *chunk)
+    traced_loss = lambda *args: jax.tree.unflatten(
+      jax.tree.structure(out_shape), core.jaxpr_as_fun(traced)(*jax.tree.leaves(args))
+    )
+
     def micro_step(chunk):
-      grads, (loss, aux) = jax.grad(local_loss, has_aux=True)(differentiable, *chunk)
+      grads, (loss, aux) = jax.grad(traced_loss, has_aux=True)(differentiable, *chunk)
       return loss, aux, accumulable(grads)
 
     divisor = settings.num_shards * settings.num_replicas * self.microbatches
-    self._warn_if_summed(lambda *chunk: local_loss(differentiable, *chunk)[1], batch, divisor)
+    self._warn_if_summed(local_loss, traced, (differentiable,), chunk, divisor)
     # A gradient has the shape and dtype of what it differentiates: so the sum over micro-batches
     # starts from zeros of these, found without tracing the loss once more.
     summed = jax.eval_shape(accumulable, differentiable)
@@ -185,13 +193,13 @@ class _ValueAndGrad:
     grads = plans.sharded.map(mean, finished)
     return jax.lax.pmean(loss, settings.batch_axes), aux, grads
 
-  def _warn_if_summed(self, loss, batch, divisor: int) -> None:
-    """Warns if ``loss`` sums over its micro-batch, which the mean over ``divisor`` of them
-    would shrink by ``divisor`` (``batch_mean.looks_summed``)."""
-    leaves = jax.tree.leaves(batch)
-    if divisor == 1 or not leaves:
+  def _warn_if_summed(self, loss, traced, params, chunk, divisor: int) -> None:
+    """Warns if ``loss`` (``traced`` on ``params`` and ``chunk``) sums over its micro-batch,
+    which the mean over ``divisor`` of them would shrink by ``divisor``
+    (``batch_mean.looks_summed``)."""
+    if divisor == 1 or not jax.tree.leaves(chunk):
       return
-    if not batch_mean.looks_summed(loss, batch, leaves[0].shape[0] // self.microbatches):
+    if not batch_mean.looks_summed(loss, chunk, params=params, traced=traced):
       return
     warnings.warn(
       f"zerojax.value_and_grad: loss_fn's loss looks like a sum over its batch, not a mean "
@@ -245,6 +253,13 @@ def _per_leaf_route(layout: layout_lib.Layout, settings, method, *trees: Any) ->
 def _describe(x: Any) -> str:
   shape = getattr(x, "shape", None)
   return f"an array of shape {tuple(shape)}" if shape is not None else f"a {type(x).__name__}"
+
+
+def _micro_batch(batch, microbatches: int):
+  """The types of one micro-batch of ``batch``: its leaves' leading dimension split."""
+  return jax.tree.map(
+    lambda x: jax.typeof(x).update(shape=(x.shape[0] // microbatches, *x.shape[1:])), batch
+  )
 
 
 def _accumulate(micro_step, batch, microbatches, summed, axes):
