@@ -2,6 +2,8 @@
 
 import functools
 import inspect
+import subprocess
+import sys
 import tomllib
 
 import chex
@@ -14,7 +16,7 @@ from jax.sharding import AxisType
 
 import zerojax
 from tests import models
-from tests.environment import ROOT
+from tests.environment import ROOT, subprocess_env
 from tests.helpers import ROUNDING
 
 #: The names that moved out of the top level, and the namespace each lives in now.
@@ -36,6 +38,18 @@ def test_a_moved_name_still_works_from_the_top_level_with_a_warning(name):
 def test_an_unknown_top_level_name_is_an_attribute_error():
   with pytest.raises(AttributeError, match="module 'zerojax' has no attribute 'zero4'"):
     zerojax.zero4  # noqa: B018
+
+
+def test_the_launcher_starts_without_jax_and_every_public_name_is_found():
+  # Names are imported when first read: `python -m zerojax.launch`, which only starts and
+  # watches processes, imports neither JAX nor anything built on it.
+  code = "import sys, zerojax.launch; print(*{m.split('.')[0] for m in sys.modules})"
+  run = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=subprocess_env()
+  )
+  assert not {"jax", "jaxlib", "optax", "orbax", "flax"} & set(run.stdout.split())
+  assert set(zerojax.__all__) <= set(dir(zerojax))
+  assert all(getattr(zerojax, name) is not None for name in zerojax.__all__)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

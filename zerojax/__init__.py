@@ -9,27 +9,33 @@ the command lines in ``zerojax.launch``, ``zerojax.estimate`` and
 ``zerojax.export``.
 """
 
-from zerojax import diagnostics, distributed
-from zerojax._src.checkpoint import CheckpointManager, StateSpec, train_state_spec
-from zerojax._src.collectives import Shard, except_gathered, gather, remat_policy
+from typing import TYPE_CHECKING
+
+from zerojax._src import lazy
 from zerojax._src.deprecations import moved_names
-from zerojax._src.estimate import (
-  CommunicationEstimate,
-  MemoryEstimate,
-  estimate_communication,
-  estimate_memory,
-  estimate_tree_memory,
-)
-from zerojax._src.export import export_safetensors, load_params
-from zerojax._src.grad import value_and_grad
-from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
-from zerojax._src.pipeline import pipeline
-from zerojax._src.pipeline_schedule import Timetable, pipeline_timetable
-from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
-from zerojax._src.quantize import Quantization
-from zerojax._src.scan import scan
-from zerojax._src.state import ZeroState
-from zerojax._src.zero import ZeroTransformation, zero1, zero2, zero3
+
+if TYPE_CHECKING:  # what type checkers read; at run time each name is imported when read
+  from zerojax import diagnostics as diagnostics
+  from zerojax import distributed as distributed
+  from zerojax._src.checkpoint import CheckpointManager, StateSpec, train_state_spec
+  from zerojax._src.collectives import Shard, except_gathered, gather, remat_policy
+  from zerojax._src.estimate import (
+    CommunicationEstimate,
+    MemoryEstimate,
+    estimate_communication,
+    estimate_memory,
+    estimate_tree_memory,
+  )
+  from zerojax._src.export import export_safetensors, load_params
+  from zerojax._src.grad import value_and_grad
+  from zerojax._src.layout import DEFAULT_MIN_SHARD_SIZE, Layout, LeafLayout, default_shard_dim
+  from zerojax._src.pipeline import pipeline
+  from zerojax._src.pipeline_schedule import Timetable, pipeline_timetable
+  from zerojax._src.precision import DynamicLossScale, LossScaleState, Precision
+  from zerojax._src.quantize import Quantization
+  from zerojax._src.scan import scan
+  from zerojax._src.state import ZeroState
+  from zerojax._src.zero import ZeroTransformation, zero1, zero2, zero3
 
 __version__ = "0.1.0"
 
@@ -68,12 +74,22 @@ __all__ = (
   "zero3",
 )
 
-# Names that moved to zerojax.diagnostics and zerojax.distributed: found here too, with a
-# DeprecationWarning that names the new place, for one more release.
-__getattr__ = moved_names(
-  "zerojax",
-  {
-    **dict.fromkeys(diagnostics.__all__, "zerojax.diagnostics"),
-    **dict.fromkeys(distributed.__all__, "zerojax.distributed"),
-  },
-)
+
+def _moved(name: str):
+  """A name that moved to ``zerojax.diagnostics`` or ``zerojax.distributed``: found here too,
+  with a DeprecationWarning that names the new place, for one more release."""
+  from zerojax import diagnostics as diagnostics
+  from zerojax import distributed as distributed
+
+  return moved_names(
+    "zerojax",
+    {
+      **dict.fromkeys(diagnostics.__all__, "zerojax.diagnostics"),
+      **dict.fromkeys(distributed.__all__, "zerojax.distributed"),
+    },
+  )(name)
+
+
+# Each public name is imported from its module when first read (zerojax._src.lazy), so that
+# `python -m zerojax.launch`, which only starts and watches processes, imports no JAX.
+__getattr__, __dir__ = lazy.attach(globals(), _moved)

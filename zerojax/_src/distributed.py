@@ -26,15 +26,15 @@ from jax.sharding import PartitionSpec as P
 from zerojax._src import checks
 from zerojax._src import layout as layout_lib
 from zerojax._src import mesh as mesh_lib
+from zerojax._src.job import (
+  COORDINATOR_ADDRESS,
+  HEARTBEAT_TIMEOUT,
+  NUM_PROCESSES,
+  PEER_LOST_EXIT_CODE,
+  PROCESS_ID,
+)
 from zerojax._src.zero import ZeroTransformation
 
-#: Environment variables that ``python -m zerojax.launch`` sets for each process.
-COORDINATOR_ADDRESS = "ZEROJAX_COORDINATOR_ADDRESS"
-NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
-PROCESS_ID = "ZEROJAX_PROCESS_ID"
-#: Optional: the ``heartbeat_timeout`` (seconds) for ``initialize`` calls that do not pass one
-#: (``python -m zerojax.launch --heartbeat-timeout`` sets it).
-HEARTBEAT_TIMEOUT = "ZEROJAX_HEARTBEAT_TIMEOUT"
 #: Optional: the ``initialization_timeout`` (seconds) for ``initialize`` calls that do not pass one.
 INITIALIZATION_TIMEOUT = "ZEROJAX_INITIALIZATION_TIMEOUT"
 
@@ -42,9 +42,6 @@ INITIALIZATION_TIMEOUT = "ZEROJAX_INITIALIZATION_TIMEOUT"
 DEFAULT_INITIALIZATION_TIMEOUT = 300
 #: The exit status of a process whose peers did not all join within ``initialization_timeout``.
 NOT_JOINED_EXIT_CODE = 3
-#: The exit status of a process whose collective failed because another process went away
-#: (BSD's EX_PROTOCOL): a consequence, which the launcher blames on the process that went away.
-PEER_LOST_EXIT_CODE = 76
 #: Seconds of waiting to join after which a process says what it waits for.
 _SAY_WAITING_AFTER = 10
 #: Seconds without a heartbeat after which a process counts as dead and every

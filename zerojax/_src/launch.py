@@ -3,7 +3,8 @@
 For development and tests only: on a cluster, the cluster's own launcher
 (``srun``, ``gcloud ... --worker=all``) starts the processes and
 ``zerojax._src.distributed.initialize`` finds them. The launcher itself never
-touches a device.
+touches a device, nor imports JAX: what it shares with the processes (their
+variables, the exit codes) is in ``zerojax._src.job``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TextIO
 
-from zerojax._src import distributed, preemption
+from zerojax._src import job
 from zerojax._src import placement as placement_lib
 
 #: Environment variable: which attempt this is, 1 for the first start, 2 after one restart, ...
@@ -76,9 +77,9 @@ def process_env(
   env = dict(base)
   env.update(
     {
-      distributed.COORDINATOR_ADDRESS: coordinator_address,
-      distributed.NUM_PROCESSES: str(num_processes),
-      distributed.PROCESS_ID: str(process_id),
+      job.COORDINATOR_ADDRESS: coordinator_address,
+      job.NUM_PROCESSES: str(num_processes),
+      job.PROCESS_ID: str(process_id),
       "PYTHONUNBUFFERED": "1",
     }
   )
@@ -95,7 +96,7 @@ def describe_exit(returncode: int) -> str:
   """
   if returncode < 0:
     return f"was killed by signal {signal.Signals(-returncode).name}"
-  if returncode == preemption.PREEMPTED_EXIT_CODE:
+  if returncode == job.PREEMPTED_EXIT_CODE:
     return f"exited with code {returncode} (preempted)"
   return f"exited with code {returncode}"
 
@@ -296,7 +297,7 @@ def launch(
   deadline = None if timeout is None else time.monotonic() + timeout
   base_env = dict(os.environ)
   if heartbeat_timeout is not None:
-    base_env[distributed.HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
+    base_env[job.HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
   policy = _Restarts(num_processes, max_restarts, min_processes, say)
   attempt = 0
   with _signals_raise():
@@ -375,7 +376,7 @@ class _Restarts:
       self.suspect.clear()
       self.say(
         f"attempt {attempt} was preempted (its processes saved and exited with "
-        f"{preemption.PREEMPTED_EXIT_CODE}); restarting. Preemptions do not count against "
+        f"{job.PREEMPTED_EXIT_CODE}); restarting. Preemptions do not count against "
         "--max-restarts."
       )
       return True
@@ -497,10 +498,10 @@ def _interrupted(processes: list[subprocess.Popen], signum: int, grace_period: f
   if signum == signal.SIGTERM:
     say(
       f"got SIGTERM; passing it on to all {count} processes so that they save, and exiting "
-      f"with {preemption.PREEMPTED_EXIT_CODE} (preempted: restart me) without restarting."
+      f"with {job.PREEMPTED_EXIT_CODE} (preempted: restart me) without restarting."
     )
     _stop(processes, grace_period, first=signal.SIGTERM)
-    return preemption.PREEMPTED_EXIT_CODE
+    return job.PREEMPTED_EXIT_CODE
   say(f"got {name}; stopping all {count} processes.")
   _stop(processes, grace_period, first=signal.SIGINT)
   return 130
@@ -516,9 +517,9 @@ def _wait(
     for process_id in list(group.exit_order):  # the first to fail, not the lowest id
       code = codes[process_id]
       if code:
-        if code == preemption.PREEMPTED_EXIT_CODE:
+        if code == job.PREEMPTED_EXIT_CODE:
           return _preempted(group, process_id, grace_period, say)
-        if code == distributed.PEER_LOST_EXIT_CODE:
+        if code == job.PEER_LOST_EXIT_CODE:
           process_id = _cause(group, process_id)
         return _failed(processes, group.codes(), process_id, grace_period, say)
     if all(code == 0 for code in codes):
@@ -541,7 +542,7 @@ def _cause(group: _Group, consequence: int) -> int:
   while True:
     codes = group.codes()
     for process_id in list(group.exit_order):
-      if codes[process_id] not in (0, None, distributed.PEER_LOST_EXIT_CODE):
+      if codes[process_id] not in (0, None, job.PEER_LOST_EXIT_CODE):
         return process_id
     if time.monotonic() > until:
       return consequence
@@ -559,7 +560,7 @@ def _preempted(group: _Group, first: int, grace_period: float, say) -> _Outcome:
   while time.monotonic() < deadline and None in group.codes():
     time.sleep(_POLL_SECONDS)
   codes = group.codes()
-  expected = (0, preemption.PREEMPTED_EXIT_CODE)
+  expected = (0, job.PREEMPTED_EXIT_CODE)
   exited = [p for p in group.exit_order if codes[p] not in expected]
   late = [p for p, code in enumerate(codes) if code is None]
   if exited:
@@ -567,8 +568,8 @@ def _preempted(group: _Group, first: int, grace_period: float, say) -> _Outcome:
   if late:
     say(f"process {late[0]} (pid {processes[late[0]].pid}) did not exit in time.")
     _stop([processes[p] for p in late], grace_period)
-    return _Outcome(preemption.PREEMPTED_EXIT_CODE, "failed", culprit=late[0])
-  return _Outcome(preemption.PREEMPTED_EXIT_CODE, "preempted")
+    return _Outcome(job.PREEMPTED_EXIT_CODE, "failed", culprit=late[0])
+  return _Outcome(job.PREEMPTED_EXIT_CODE, "preempted")
 
 
 def _failed(
@@ -751,7 +752,7 @@ def _parser() -> argparse.ArgumentParser:
     type=int,
     default=0,
     help="restart the whole group after a failure up to this many times (default %(default)s); "
-    f"a group whose processes exit with {preemption.PREEMPTED_EXIT_CODE} (preempted, after "
+    f"a group whose processes exit with {job.PREEMPTED_EXIT_CODE} (preempted, after "
     f"saving) is restarted without counting, one that exits with {USAGE_EXIT_CODE} (a usage "
     "error) is not restarted",
   )

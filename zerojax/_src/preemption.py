@@ -19,10 +19,6 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-#: The exit status of a process that stopped because it was preempted, after
-#: saving: ``EX_TEMPFAIL`` of ``sysexits.h`` ("a temporary failure; try again").
-PREEMPTED_EXIT_CODE = 75
-
 
 class _Notice:
   """This process's own SIGTERM handling, where JAX's preemption service does not do it."""
