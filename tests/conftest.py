@@ -6,7 +6,12 @@ import sys
 import jax
 import pytest
 
-from tests.helpers import CHECKPOINT_WORKER, CHECKPOINT_WORKER_STEPS, final_params
+from tests.helpers import (
+  CHECKPOINT_WORKER,
+  CHECKPOINT_WORKER_STEPS,
+  computed_once,
+  final_params,
+)
 
 
 @pytest.fixture
@@ -15,13 +20,12 @@ def mesh():
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory) -> dict:
+def uninterrupted() -> dict:
   """The final parameters of ``checkpoint_worker.py`` trained straight through, without faults."""
-  directory = tmp_path_factory.mktemp("uninterrupted")
-  subprocess.run(
+  train = lambda directory: subprocess.run(
     [sys.executable, CHECKPOINT_WORKER, "train", directory, str(CHECKPOINT_WORKER_STEPS)],
     check=True,
     capture_output=True,
     timeout=120,
   )
-  return final_params(directory)
+  return final_params(computed_once("uninterrupted", train))

@@ -4,12 +4,16 @@ Test files import from here (and from the models in ``tests/models.py`` and
 ``tests/multi_axis_model.py``), never from each other.
 """
 
+import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import chex
+import filelock
 import jax
 import numpy as np
 
@@ -100,3 +104,21 @@ def run_checkpoint_worker(
 def final_params(directory: Path) -> dict[str, np.ndarray]:
   """The parameters ``CHECKPOINT_WORKER`` saved at its last step, by name."""
   return dict(np.load(directory / "final.npz"))
+
+
+def computed_once(name: str, compute: Callable[[Path], object]) -> Path:
+  """The directory ``compute(directory)`` filled, once a test run, whichever worker asks first.
+
+  pytest-xdist's workers share the run's temporary directory (``tests/environment.py``):
+  the first to ask computes under a lock while the others wait, then every one reads
+  the same files. A computation that failed is made again by the next to ask.
+  """
+  root = Path(os.environ["ZEROJAX_TESTS_JAX_CACHE"])
+  directory, done = root / name, root / f"{name}.done"
+  with filelock.FileLock(root / f"{name}.lock"):
+    if not done.exists():
+      shutil.rmtree(directory, ignore_errors=True)
+      directory.mkdir()
+      compute(directory)
+      done.touch()
+  return directory
