@@ -9,7 +9,7 @@ the command lines in ``zerojax.launch``, ``zerojax.estimate`` and
 ``zerojax.export``.
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zerojax._src import lazy
 from zerojax._src.deprecations import moved_names
@@ -75,11 +75,10 @@ __all__ = (
 )
 
 
-def _moved(name: str):
+def _moved(name: str) -> Any:
   """A name that moved to ``zerojax.diagnostics`` or ``zerojax.distributed``: found here too,
   with a DeprecationWarning that names the new place, for one more release."""
-  from zerojax import diagnostics as diagnostics
-  from zerojax import distributed as distributed
+  from zerojax import diagnostics, distributed
 
   return moved_names(
     "zerojax",
