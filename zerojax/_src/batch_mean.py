@@ -59,15 +59,11 @@ def looks_summed(
     >>> looks_summed(lambda w, x: jnp.sum(x @ w), batch, params=(jnp.ones(3),))
     True
   """
-  typed = lambda x: x if isinstance(x, ShapedArray) else jax.typeof(x)
-  sized = lambda factor: jax.tree.map(
-    lambda x: typed(x).update(shape=(factor * x.shape[0], *x.shape[1:])), batch
-  )
   try:  # the loss may fix its batch size; then there is no verdict
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
       warnings.simplefilter("ignore")
-      small = traced or jax.make_jaxpr(fn)(*params, *sized(1))
-      large = jax.make_jaxpr(fn)(*params, *sized(2))
+      small = traced or jax.make_jaxpr(fn)(*params, *batch)
+      large = jax.make_jaxpr(fn)(*params, *resized(batch, 2))
   except Exception:
     return False
   if small.jaxpr.outvars[0].aval.shape:  # not a loss; value_and_grad says so
@@ -78,6 +74,15 @@ def looks_summed(
   marked = [i >= fixed for i in range(len(small.jaxpr.invars))]
   depends, divides = _batch_dependence(small.jaxpr, marked)
   return depends[0] and not divides
+
+
+def resized(batch: Any, numerator: int, denominator: int = 1) -> Any:
+  """The types of ``batch``'s leaves (arrays, tracers or types) with ``numerator /
+  denominator`` times their leading dimension."""
+  typed = lambda x: x if isinstance(x, ShapedArray) else jax.typeof(x)
+  return jax.tree.map(
+    lambda x: typed(x).update(shape=(x.shape[0] * numerator // denominator, *x.shape[1:])), batch
+  )
 
 
 def _constants(jaxpr: core.Jaxpr) -> list[tuple[str, Any]]:

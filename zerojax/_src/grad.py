@@ -166,7 +166,7 @@ class _ValueAndGrad:
       return routed(lambda route, leaf, g: route.accumulable(leaf, g, settings), grads)
 
     # The loss is traced once, here, for both the gradient and the check for a summed loss.
-    chunk = _micro_batch(batch, self.microbatches)
+    chunk = batch_mean.resized(batch, 1, self.microbatches)
     traced, out_shape = jax.make_jaxpr(local_loss, return_shape=True)(differentiable, *chunk)
     traced_loss = lambda *args: jax.tree.unflatten(
       jax.tree.structure(out_shape), core.jaxpr_as_fun(traced)(*jax.tree.leaves(args))
@@ -253,13 +253,6 @@ def _per_leaf_route(layout: layout_lib.Layout, settings, method, *trees: Any) ->
 def _describe(x: Any) -> str:
   shape = getattr(x, "shape", None)
   return f"an array of shape {tuple(shape)}" if shape is not None else f"a {type(x).__name__}"
-
-
-def _micro_batch(batch, microbatches: int):
-  """The types of one micro-batch of ``batch``: its leaves' leading dimension split."""
-  return jax.tree.map(
-    lambda x: jax.typeof(x).update(shape=(x.shape[0] // microbatches, *x.shape[1:])), batch
-  )
 
 
 def _accumulate(micro_step, batch, microbatches, summed, axes):
