@@ -8,6 +8,7 @@ compute exactly what they compute unwrapped.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -18,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._src import checks, comm
 from zerojax._src import mesh as mesh_lib
+from zerojax._src import plans as plans_lib
 from zerojax._src import precision as precision_lib
+from zerojax._src.layout import Layout
 from zerojax._src.plans import Planner, Plans
 from zerojax._src.settings import Settings
 from zerojax._src.state import ZeroState, check_policy, fresh_loss_scale_and_counters
@@ -37,7 +40,6 @@ class ShardedOptimizer:
     self.plans = Planner(settings)
     self._init = jax.jit(self._init_impl, static_argnames="plans")
     self._update = jax.jit(self._update_impl, static_argnames="plans")
-    self._gather = jax.jit(self._gather_impl, static_argnames="plans")
 
   def __copy__(self) -> ShardedOptimizer:
     return self
@@ -72,14 +74,15 @@ class ShardedOptimizer:
       return self._update(updates, state, params, extra_args, plans=plans)
 
   def gather(self, params: optax.Params) -> optax.Params:
-    with mesh_lib.set_mesh_unless_traced(self.settings.mesh, params):
-      return self._gather(params, plans=self.plans(params))
-
-  def _gather_impl(self, params, plans: Plans):
-    specs = plans.params.map(lambda leaf: leaf.full_spec(self.settings.data_axes))
-    # An offloaded master copy (tx.master_params) is gathered from device memory.
-    params = jax.device_put(params, jax.memory.Space.Device)
-    return mesh_lib.global_view(self.settings.mesh, plans.to_logical, specs)(params)
+    plans, mesh = self.plans(params), self.settings.mesh
+    with mesh_lib.set_mesh_unless_traced(mesh, params):
+      return _gather(
+        params,
+        mesh=mesh,
+        data_axes=self.settings.data_axes,
+        stored=plans.params,
+        logical=plans.sharded,
+      )
 
   def _init_impl(self, params, plans: Plans):
     settings = self.settings
@@ -135,6 +138,18 @@ class ShardedOptimizer:
       updates, state, params
     )
     return new_updates, settings.offload.store(new_state)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "data_axes", "stored", "logical"))
+def _gather(params, *, mesh: Mesh, data_axes: tuple[str, ...], stored: Layout, logical: Layout):
+  """Whole parameters, in ``logical`` layout, from parameters stored in ``stored`` layout.
+
+  One program per layout, whatever the inner optimizer: transformations over one model share it.
+  """
+  specs = stored.map(lambda leaf: leaf.full_spec(data_axes))
+  # An offloaded master copy (tx.master_params) is gathered from device memory.
+  params = jax.device_put(params, jax.memory.Space.Device)
+  return mesh_lib.global_view(mesh, functools.partial(plans_lib.to_logical, logical), specs)(params)
 
 
 def _onto_mesh(mesh: Mesh, updates: Any) -> Any:

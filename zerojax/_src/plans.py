@@ -37,7 +37,7 @@ class Plans(NamedTuple):
 
   def to_logical(self, tree: Any) -> Any:
     """Unpads leaves given in stored shape; leaves already in logical shape pass."""
-    return self.sharded.map(_to_logical, tree)
+    return to_logical(self.sharded, tree)
 
   def as_stored(self, tree: Any) -> Any:
     """Each leaf in the stored parameters' shape: padded from its logical shape, or as it is if
@@ -66,6 +66,11 @@ class Plans(NamedTuple):
       skipped_steps=scalar,
       pre_clip_grad_norm=scalar,
     )
+
+
+def to_logical(layout: layout_lib.Layout, tree: Any) -> Any:
+  """``tree`` in ``layout``'s logical shapes: stored-shape leaves unpadded, others as they are."""
+  return layout.map(_to_logical, tree)
 
 
 def _to_logical(leaf: layout_lib.LeafLayout, x: Any) -> Any:
