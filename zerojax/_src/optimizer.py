@@ -19,10 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._src import checks, comm
 from zerojax._src import mesh as mesh_lib
-from zerojax._src import plans as plans_lib
 from zerojax._src import precision as precision_lib
 from zerojax._src.layout import Layout
-from zerojax._src.plans import Planner, Plans
+from zerojax._src.plans import Planner, Plans, to_logical
 from zerojax._src.settings import Settings
 from zerojax._src.state import ZeroState, check_policy, fresh_loss_scale_and_counters
 
@@ -149,7 +148,7 @@ def _gather(params, *, mesh: Mesh, data_axes: tuple[str, ...], stored: Layout, l
   specs = stored.map(lambda leaf: leaf.full_spec(data_axes))
   # An offloaded master copy (tx.master_params) is gathered from device memory.
   params = jax.device_put(params, jax.memory.Space.Device)
-  return mesh_lib.global_view(mesh, functools.partial(plans_lib.to_logical, logical), specs)(params)
+  return mesh_lib.global_view(mesh, functools.partial(to_logical, logical), specs)(params)
 
 
 def _onto_mesh(mesh: Mesh, updates: Any) -> Any:
