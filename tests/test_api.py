@@ -132,6 +132,23 @@ def test_padded_leaf_round_trip(mesh):
   np.testing.assert_array_equal(jax.jit(tx.gather)(placed)["x"], x)
 
 
+@pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit])
+def test_stored_params_tell_from_a_model_of_their_padded_shapes_by_placement(types):
+  # docs/guide.md's tx2.init(tx1.shard(params)), and its refusal inside jit on Auto axes, are
+  # tests/test_bad_input.py's. On explicit axes the placement is in the types, inside jit too;
+  # a model of its own whose logical shapes are the padded ones is never mistaken for them.
+  mesh = make_mesh(8, types)
+  fresh = lambda: zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
+  params = {"w": jnp.arange(7 * 13, dtype=jnp.float32).reshape(7, 13)}
+  placed = zerojax.zero3(optax.adam(0.1), mesh=mesh, min_shard_size=1).shard(params)
+  assert placed["w"].shape == (7, 16)
+  if types == AxisType.Explicit:
+    np.testing.assert_array_equal(jax.jit(fresh().gather)(placed)["w"], params["w"])
+  for other_model in (np.ones((7, 16)), jnp.ones((7, 16)), jax.device_put(jnp.ones((7, 16)))):
+    tx = fresh()
+    assert tx.gather(tx.shard({"w": other_model}))["w"].shape == (7, 16)
+
+
 def test_integer_leaves_pass_through(mesh):
   inner = optax.masked(optax.adam(0.1), {"w": True, "ids": False})
   tx = zerojax.zero3(inner, mesh=mesh)

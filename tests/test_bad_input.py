@@ -298,6 +298,21 @@ def hpz_at_stage_2(types):
   zerojax.zero2(optax.sgd(0.1), mesh=mesh, axis_name=("node", "data"), secondary_axis="data")
 
 
+def stored_params_of_another_layout(types):
+  params = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types), min_shard_size=1).shard(
+    {"w": jnp.ones((7, 13))}
+  )
+  zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).init(params)  # stores (7, 13) whole
+
+
+def stored_params_first_seen_inside_jit_on_auto_axes(types):
+  mesh = _mesh(jax.sharding.AxisType.Auto)  # on explicit axes the placement is in the types
+  params = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1).shard(
+    {"w": jnp.ones((7, 13))}
+  )
+  jax.jit(zerojax.zero3(optax.adam(0.1), mesh=mesh, min_shard_size=1).init)(params)
+
+
 # The first column of docs/guide.md's errors table, and the misuse that raises each.
 CASES = {
   "mesh has no axis 'dta' (its axes are ('data',)); did you mean axis_name='data'?": axis_name_typo,
@@ -383,6 +398,10 @@ CASES = {
     deferred_reductions_without_prefetch
   ),
   "secondary_axis (ZeRO++'s hpZ) keeps a second, intra-node copy": hpz_at_stage_2,
+  "these parameters are stored (padded) by another zerojax transformation, in a layout this "
+  "one does not use": stored_params_of_another_layout,
+  "inside jax.jit under a mesh of Auto axes their placement cannot say whether they are "
+  "padded": stored_params_first_seen_inside_jit_on_auto_axes,
 }
 
 # Misuses the table covers with another row's message.
@@ -413,11 +432,25 @@ def unplaced_gradients(types):
   return done_right, unplaced
 
 
+def stored_params_given_to_another_transformation(types):
+  params = {"w": jnp.arange(91.0).reshape(7, 13), "b": jnp.ones(13)}  # "w" stored as (7, 16)
+  make = lambda: zerojax.zero3(optax.adam(0.1), mesh=_mesh(types), min_shard_size=1)
+  stored = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types), min_shard_size=1).shard(params)
+  done_right, mistaken = make(), make()
+  right = done_right.shard(params)
+  return [right, done_right.init(right), done_right.gather(right)], [
+    mistaken.shard(stored),
+    mistaken.init(stored),
+    mistaken.gather(stored),
+  ]
+
+
 # The first column of the guide's table of mistakes that give the right answer, and for each a
 # function that returns what doing it right gives and what the mistake gives.
 RIGHT_ANSWERS = {
   "tx.shard(tx.shard(params))": shard_twice,
   "tx.update(grads, opt_state, params)": unplaced_gradients,
+  "tx2.init(tx1.shard(params))": stored_params_given_to_another_transformation,
 }
 
 

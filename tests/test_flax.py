@@ -270,6 +270,23 @@ def test_nnx_optimizer_matches_plain_optax(stage, gather, prefetching, mesh):
   chex.assert_trees_all_close(trajectory, nnx_reference(), **ROUNDING)
 
 
+def test_nnx_optimizer_s_pure_values_are_planned_from_their_logical_shapes(mesh):
+  # nnx.Optimizer initialises the transformation with the nnx.Param variables and updates it
+  # with their nnx.as_pure values: the stored (padded) shapes in another container. Muon scales
+  # each matrix by its shape, so planning the padded head kernel (32, 16) as logical is seen.
+  model = NnxModel(nnx.Rngs(0))
+  tx = zerojax.zero3(optax.contrib.muon(0.01), mesh=mesh, min_shard_size=MIN_SHARD_SIZE)
+  params = tx.shard(nnx.state(model, nnx.Param))
+  grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, x.dtype), params)
+  assert params["head"]["kernel"].shape == (NNX_WIDTH, 16)
+  state = tx.init(params)
+  pure = lambda tree: nnx.to_pure_dict(nnx.as_pure(tree))
+  with jax.set_mesh(mesh):
+    variables, _ = tx.update(grads, state, params)
+    values, _ = tx.update(nnx.as_pure(grads), nnx.as_pure(state), nnx.as_pure(params))
+  chex.assert_trees_all_equal(pure(values), pure(variables))
+
+
 def test_nnx_scan_passes_defer_reductions_on():
   # zerojax.scan refuses deferred reductions without prefetching: the refusal shows the option
   # reached it.

@@ -361,7 +361,7 @@ def _plan_leaf(path, leaf, override, context: _Context, mirrors) -> LeafLayout:
       "params/optimizer state."
     )
   shape = tuple(int(s) for s in leaf.shape)
-  dtype = np.dtype(leaf.dtype)
+  dtype = _canonical(leaf.dtype)
   placed = _placement(leaf, len(shape))
   _check_replica_axes(placed, context.replica_axes, where)
   base = tuple(_without(e, context.data_axes) for e in placed)
@@ -531,7 +531,13 @@ def _mirrored(mirrors, path, shape) -> LeafLayout | None:
 
 def _dtype_of(x: Any) -> np.dtype | str:
   # Not an array: the type's name keeps signatures hashable; ``plan`` then raises.
-  return np.dtype(x.dtype) if hasattr(x, "dtype") else type(x).__name__
+  return _canonical(x.dtype) if hasattr(x, "dtype") else type(x).__name__
+
+
+def _canonical(dtype: Any) -> np.dtype:
+  """The dtype JAX gives an array of ``dtype``: float64 numpy parameters are placed as float32
+  unless 64-bit mode is on, and plan as the arrays they become."""
+  return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
 def replicated(layout: Layout, axis_name: str | tuple[str, ...]) -> Layout:

@@ -6,9 +6,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.core import Tracer
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax._src import layout as layout_lib
+from zerojax._src import mesh as mesh_lib
 from zerojax._src import precision as precision_lib
 from zerojax._src.state import ZeroState
 
@@ -85,26 +88,53 @@ def _to_logical(leaf: layout_lib.LeafLayout, x: Any) -> Any:
   )
 
 
+#: The stored signature of each padded layout planned in this process, with the logical leaves
+#: it was planned from: so that a transformation given another's stored parameters first
+#: (``tx2.init(tx1.shard(params))``) plans from their logical shapes, not from the padding.
+_PADDED: dict[tuple[Any, ...], tuple[list[jax.ShapeDtypeStruct], layout_lib.Layout]] = {}
+
+
 class Planner:
   """Plans the trees a transformation sees, and remembers each plan.
 
   Plans are keyed by the logical and the stored signature of each tree, so
   that stored (padded) parameters find the plan made from their full shapes.
+  Stored parameters seen first in another container (Flax NNX's
+  ``nnx.Optimizer`` passes ``nnx.as_pure`` values of the ``nnx.Param`` s it
+  was initialised with), or first from another transformation, are planned
+  from the logical leaves they were stored from.
   """
 
   def __init__(self, settings: Settings):
     self.settings = settings
     self._known: dict[Any, Plans] = {}
+    self._padded: dict[Any, tuple[list[jax.ShapeDtypeStruct], layout_lib.Layout]] = {}
 
   def __call__(self, tree: Any) -> Plans:
     key = layout_lib.signature(tree)
-    if key not in self._known:
-      plans = self.plan(tree)
-      for stored in (False, True):
-        self._known.setdefault(plans.sharded.key(stored), plans)
-        self._known.setdefault(plans.params.key(stored), plans)
-      self._known[key] = plans
-    return self._known[key]
+    if key in self._known:
+      return self._known[key]
+    # Stored parameters in another container, or another transformation's, seen first.
+    found = self._padded.get(key[1])
+    if found is None and key in _PADDED and _placed_as_stored(tree, _PADDED[key][1]):
+      found = _PADDED[key]
+    if found is not None:
+      logical, layout = found
+      own = self(jax.tree.unflatten(key[0], logical))
+      if key not in self._known:
+        raise _other_layout_error(layout, own)
+      return self._known[key]
+    plans = self.plan(tree)
+    structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in jax.tree.leaves(tree)]
+    for layout in (plans.sharded, plans.params):
+      stored = layout.key(True)
+      if stored != layout.key(False):
+        self._padded.setdefault(stored[1], (structs, layout))
+        _PADDED.setdefault(stored, (structs, layout))
+      for key_ in (layout.key(False), stored):
+        self._known.setdefault(key_, plans)
+    self._known[key] = plans
+    return plans
 
   def plan(self, params: Any) -> Plans:
     """Plans every layout that the parameter tree ``params`` implies."""
@@ -134,3 +164,62 @@ class Planner:
       replica_axes=settings.replica_axes,
       **options,
     )
+
+
+def _placed_as_stored(tree: Any, layout: layout_lib.Layout) -> bool:
+  """Whether ``tree``, shaped like ``layout``'s stored arrays, is placed like them too.
+
+  A padded leaf sharded over the data axes along its padded dimension is
+  stored; a numpy array, an array on one device or one placed otherwise is a
+  model whose logical shapes happen to be another's padded ones. Inside
+  ``jax.jit`` under a mesh of ``Auto`` axes placements are not part of the
+  types, and nothing tells: that is refused rather than guessed.
+  """
+  padded = [
+    (leaf, x) for leaf, x in zip(layout.leaves, jax.tree.leaves(tree), strict=True) if leaf.padding
+  ]
+  verdicts = {_sharded_like(x, leaf) for leaf, x in padded}
+  if False in verdicts:
+    return False
+  if True in verdicts:
+    return True
+  leaf, x = padded[0]
+  raise ValueError(
+    f"these parameters have the padded shapes another zerojax transformation stores (a leaf "
+    f"of shape {np.shape(x)} is stored for a logical {leaf.shape}), and inside jax.jit under "
+    "a mesh of Auto axes their placement cannot say whether they are padded. Give this "
+    "transformation the parameters in their logical shapes the first time (other_tx.gather("
+    "params)), or call its init or shard outside jax.jit first."
+  )
+
+
+def _sharded_like(x: Any, leaf: layout_lib.LeafLayout) -> bool | None:
+  """Whether ``x`` is split along ``leaf``'s padded dimension as stored; ``None``: unknown."""
+  if isinstance(x, Tracer):
+    sharding = jax.typeof(x).sharding
+    if not mesh_lib.is_explicit(sharding.mesh):
+      return None
+  elif isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding):
+    sharding = x.sharding
+  else:
+    return False
+  spec = (*sharding.spec, *(None,) * (np.ndim(x) - len(sharding.spec)))
+  assert leaf.dim is not None  # a padded leaf
+  return spec[leaf.dim] == leaf.spec[leaf.dim]
+
+
+def _other_layout_error(other: layout_lib.Layout, own: Plans) -> ValueError:
+  theirs, ours = next(
+    (_describe(a), _describe(b))
+    for a, b in zip(other.leaves, own.params.leaves, strict=True)
+    if _describe(a) != _describe(b)
+  )
+  return ValueError(
+    "these parameters are stored (padded) by another zerojax transformation, in a layout "
+    f"this one does not use (a leaf stored as {theirs}, which this transformation stores as "
+    f"{ours}): give it the parameters in their logical shapes, other_tx.gather(params)."
+  )
+
+
+def _describe(leaf: layout_lib.LeafLayout) -> str:
+  return f"{leaf.dtype}{list(leaf.stored_shape)}"
