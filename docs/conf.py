@@ -27,6 +27,7 @@ extensions = [
   "coverage_check",
   "internal_links",
   "private_aliases",
+  "constant_docs",
 ]
 
 root_doc = "index"

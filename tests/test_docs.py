@@ -19,6 +19,7 @@ from tests.environment import ROOT
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS / "ext"))
 
+import constant_docs  # noqa: E402
 import coverage_check  # noqa: E402
 import internal_links  # noqa: E402
 
@@ -54,6 +55,16 @@ def test_public_names_cover_the_package_and_its_public_modules():
     assert {f"{module.__name__}.{name}" for name in module.__all__} <= set(names)
   assert {"zerojax.launch.launch", "zerojax.export.main", "zerojax.estimate.main"} <= set(names)
   assert not [name for name in names if "._" in name]
+
+
+def test_a_re_exported_constant_shows_its_comment_not_its_type_s_docstring():
+  def shown(name, value):
+    lines = int.__doc__.splitlines()  # what autodoc finds in the public module
+    constant_docs.document_constant(None, "data", name, value, None, lines)
+    return " ".join(lines)
+
+  assert "preempted, after saving" in shown("zerojax.distributed.PREEMPTED_EXIT_CODE", 75)
+  assert "stay replicated" in shown("zerojax.DEFAULT_MIN_SHARD_SIZE", 1024)
 
 
 def test_broken_internal_links_are_found(tmp_path):
