@@ -1,9 +1,11 @@
-"""What the test files share: the stages, exact comparisons, checkpoints' padding, worker runs.
+"""What the test files share: the stages, exact comparisons, checkpoints' padding, worker and
+launcher runs.
 
 Test files import from here (and from the models in ``tests/models.py`` and
 ``tests/multi_axis_model.py``), never from each other.
 """
 
+import io
 import os
 import shutil
 import subprocess
@@ -19,6 +21,7 @@ import numpy as np
 
 import zerojax
 from tests import environment
+from zerojax import launch
 
 #: zerojax's stages by number.
 STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
@@ -122,3 +125,13 @@ def computed_once(name: str, compute: Callable[[Path], object]) -> Path:
       compute(directory)
       done.touch()
   return directory
+
+
+def launch_code(code: str, **options: Any) -> tuple[int, str]:
+  """``zerojax.launch`` of ``python -c code`` (2 processes unless told): status and messages."""
+  err = io.StringIO()
+  options = {"num_processes": 2, **options}
+  status = launch.launch(
+    [sys.executable, "-c", code], stdout=io.StringIO(), stderr=err, timeout=60, **options
+  )
+  return status, err.getvalue()

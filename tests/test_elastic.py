@@ -8,7 +8,6 @@ launcher gives up, naming process 1; resubmitted with ``--min-processes 1`` the 
 without it, on 1 process x 4 devices with twice the micro-batches, and finishes.
 """
 
-import io
 import json
 import re
 import subprocess
@@ -27,6 +26,7 @@ from examples import train_lm
 from examples.lm import data as lm_data
 from tests import environment, lm_reference
 from tests.environment import ROOT
+from tests.helpers import launch_code
 from zerojax import launch
 
 WORKER = "tests/lost_host_worker.py"
@@ -98,14 +98,9 @@ def test_eight_devices_and_four_with_two_micro_batches_see_the_same_samples_ever
   assert not np.array_equal(seen[8][0], seen[8][1])  # and the steps do differ
 
 
-def launch_code(code: str, **options) -> tuple[int, str]:
+def launch_elastic(code: str, **options) -> tuple[int, str]:
   """``python -c code`` as 2 processes under the launcher, restarts allowed: status and messages."""
-  err = io.StringIO()
-  options = {"num_processes": 2, "max_restarts": 3, "min_processes": 1, **options}
-  status = launch.launch(
-    [sys.executable, "-c", code], stdout=io.StringIO(), stderr=err, timeout=60, **options
-  )
-  return status, err.getvalue()
+  return launch_code(code, **{"max_restarts": 3, "min_processes": 1, **options})
 
 
 # Python run by each process: its id, its attempt, and a place to leave marks for the other.
@@ -123,7 +118,7 @@ def test_failures_of_different_processes_or_a_preemption_between_them_do_not_shr
     "sys.exit(75 if attempt == 4 else 3 if me == culprit else 0 if attempt == 6 else "
     "time.sleep(30))\n"
   )
-  status, err = launch_code(code, max_restarts=4)
+  status, err = launch_elastic(code, max_restarts=4)
   assert status == 0, err
   assert "shrinking" not in err and "counts as lost" not in err
   assert "attempt 6: started 2 process(es)" in err
@@ -141,7 +136,7 @@ def test_the_first_process_to_fail_is_blamed_not_the_lowest_numbered(tmp_path):
     "while pathlib.Path('/proc', mark.read_text()).exists(): time.sleep(0.001)\n"
     "sys.exit(4)\n"
   )
-  status, err = launch_code(code)
+  status, err = launch_elastic(code)
   assert status == 0, err
   assert "process 1 (pid" in err and "exited with code 3; stopping" in err
   assert "shrinking from 2 to 1 process(es): process 1 ended attempts 1 and 2 in a row" in err
@@ -158,7 +153,7 @@ def test_a_stopped_process_is_blamed_not_the_one_that_failed_waiting_for_it(tmp_
     "time.sleep(0.3)\n"
     "sys.exit(1)\n"
   )
-  status, err = launch_code(code, grace_period=1)
+  status, err = launch_elastic(code, grace_period=1)
   assert status == 0, err
   assert "is stopped (SIGSTOP or SIGTSTP)" in err
   assert "shrinking from 2 to 1 process(es): process 0 ended attempts 1 and 2 in a row" in err

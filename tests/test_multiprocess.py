@@ -21,7 +21,7 @@ import pytest
 
 from tests import environment, models, multiprocess_worker
 from tests.environment import ROOT
-from tests.helpers import ROUNDING
+from tests.helpers import ROUNDING, launch_code
 from zerojax import launch
 from zerojax._src import distributed
 from zerojax._src import launch as launch_lib
@@ -372,7 +372,7 @@ def test_launcher_stops_everyone_when_one_process_dies():
   code = "import os, signal, time; p = os.environ['ZEROJAX_PROCESS_ID']; "
   code += "os.kill(os.getpid(), signal.SIGKILL) if p == '1' else time.sleep(60)"
   begin = time.monotonic()
-  status, err = run_code(code)
+  status, err = launch_code(code)
   assert status == 128 + signal.SIGKILL, err
   assert "process 1 (pid" in err and "was killed by signal SIGKILL" in err
   assert time.monotonic() - begin < 30
@@ -382,7 +382,7 @@ def test_launcher_reports_the_first_failure():
   code = "import os, sys, time; p = os.environ['ZEROJAX_PROCESS_ID']; "
   code += "sys.exit(3) if p == '1' else time.sleep(60)"
   begin = time.monotonic()
-  status, err = run_code(code, num_processes=3)
+  status, err = launch_code(code, num_processes=3)
   assert status == 3
   assert "process 1 (pid" in err and "exited with code 3" in err
   assert "stopping the 2 other running process(es)" in err
@@ -417,19 +417,9 @@ def test_launcher_forwards_ctrl_c(tmp_path):
   assert "got SIGINT; stopping all 2 processes" in stderr
 
 
-def run_code(code: str, **options) -> tuple[int, str]:
-  """``launch`` of ``python -c code`` (2 processes unless told); the status and launcher output."""
-  err = io.StringIO()
-  options = {"num_processes": 2, **options}
-  status = launch.launch(
-    [sys.executable, "-c", code], stdout=io.StringIO(), stderr=err, timeout=60, **options
-  )
-  return status, err.getvalue()
-
-
 def test_launcher_gives_up_after_max_restarts_with_the_last_attempts_status():
   code = "import os, sys; sys.exit(2 + int(os.environ['ZEROJAX_ATTEMPT']))"
-  status, err = run_code(code, max_restarts=2)
+  status, err = launch_code(code, max_restarts=2)
   assert status == 5  # attempt 3's
   for attempt, left in [(1, 2), (2, 1), (3, 0)]:
     assert f"attempt {attempt}: started 2 process(es) (pids " in err
@@ -462,7 +452,7 @@ def test_launcher_stops_what_the_processes_left_behind(tmp_path):
     "sys.exit(3 if attempt == '1' else 0)\n"
   )
   begin = time.monotonic()
-  status, err = run_code(code, max_restarts=1)
+  status, err = launch_code(code, max_restarts=1)
   assert status == 0, err
   assert time.monotonic() - begin < 30
   helpers = [int(path.name.split("-")[1]) for path in tmp_path.iterdir()]
@@ -484,7 +474,7 @@ def running(pid: int) -> bool:
 
 def test_launcher_restarts_a_preempted_group_without_counting_it():
   code = "import os, sys; sys.exit(75 if int(os.environ['ZEROJAX_ATTEMPT']) < 3 else 0)"
-  status, err = run_code(code, max_restarts=0)
+  status, err = launch_code(code, max_restarts=0)
   assert status == 0
   assert err.count("restarting. Preemptions do not count against --max-restarts.") == 2
   assert "attempt 3: started 2 process(es)" in err and "0 restart(s) after failures left" in err
@@ -493,7 +483,7 @@ def test_launcher_restarts_a_preempted_group_without_counting_it():
 def test_a_preempted_exit_beside_a_failure_is_a_failure():
   code = "import os, sys, time; p = os.environ['ZEROJAX_PROCESS_ID']; "
   code += "sys.exit(75) if p == '0' else (time.sleep(0.5), sys.exit(4))"
-  status, err = run_code(code, max_restarts=0)
+  status, err = launch_code(code, max_restarts=0)
   assert status == 4
   assert "process 0 (pid" in err and "exited with code 75 (preempted); waiting up to" in err
   assert "process 1 (pid" in err and "exited with code 4" in err
