@@ -175,6 +175,10 @@ def min_shard_size_as_text(types):
   zerojax.zero2(optax.sgd(0.1), mesh=_mesh(types), min_shard_size="1024")
 
 
+def negative_min_shard_size(types):
+  zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types), min_shard_size=-1)
+
+
 def transformation_as_checkpoint_spec(types):
   tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
   zerojax.CheckpointManager(GUIDE.parent / "_never_created", tx)  # refused before it is made
@@ -358,9 +362,8 @@ CASES = {
   "TypeError: value_and_grad needs loss_fn to return a scalar loss ... shape (1, 1024)": (
     loss_not_a_scalar
   ),
-  "min_shard_size must be an int (the fewest elements a leaf needs to be split), got '1024'": (
-    min_shard_size_as_text
-  ),
+  "min_shard_size must be an int, 0 or more (the fewest elements a leaf needs to be split), "
+  "got '1024'": min_shard_size_as_text,
   "TypeError: CheckpointManager's spec is a zerojax.StateSpec, got ZeroTransformation": (
     transformation_as_checkpoint_spec
   ),
@@ -405,7 +408,10 @@ CASES = {
 }
 
 # Misuses the table covers with another row's message.
-MORE = {"opt_state... lives on a mesh of {'data': 4}": state_of_another_mesh_in_jit}
+MORE = {
+  "opt_state... lives on a mesh of {'data': 4}": state_of_another_mesh_in_jit,
+  "min_shard_size must be an int, 0 or more ... got -1;": negative_min_shard_size,
+}
 
 
 def shard_twice(types):

@@ -125,10 +125,14 @@ def resolve(
       f"zero{stage} wraps an optax.GradientTransformation, got {type(inner).__name__}; "
       "pass e.g. optax.adamw(1e-3)."
     )
-  if isinstance(min_shard_size, bool) or not hasattr(min_shard_size, "__index__"):
+  if (
+    isinstance(min_shard_size, bool)
+    or not hasattr(min_shard_size, "__index__")
+    or min_shard_size.__index__() < 0
+  ):
     raise ValueError(
-      f"min_shard_size must be an int (the fewest elements a leaf needs to be split), got "
-      f"{min_shard_size!r}; e.g. min_shard_size={layout_lib.DEFAULT_MIN_SHARD_SIZE}."
+      "min_shard_size must be an int, 0 or more (the fewest elements a leaf needs to be "
+      f"split), got {min_shard_size!r}; e.g. min_shard_size={layout_lib.DEFAULT_MIN_SHARD_SIZE}."
     )
   quantize.check_stage(stage, quantized_weights)
   mesh = mesh_lib.resolve_mesh(mesh, axis_name, replica_axis)
