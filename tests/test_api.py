@@ -145,8 +145,11 @@ def test_stored_params_tell_from_a_model_of_their_padded_shapes_by_placement(typ
   if types == AxisType.Explicit:
     np.testing.assert_array_equal(jax.jit(fresh().gather)(placed)["w"], params["w"])
   for other_model in (np.ones((7, 16)), jnp.ones((7, 16)), jax.device_put(jnp.ones((7, 16)))):
-    tx = fresh()
+    tx = fresh()  # has seen no model
     assert tx.gather(tx.shard({"w": other_model}))["w"].shape == (7, 16)
+    tx = fresh()
+    tx.shard(params)  # has seen a model of another structure, stored with these shapes
+    assert tx.gather(tx.shard({"v": other_model}))["v"].shape == (7, 16)
 
 
 def test_integer_leaves_pass_through(mesh):

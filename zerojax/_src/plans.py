@@ -116,8 +116,13 @@ class Planner:
       return self._known[key]
     # Stored parameters in another container, or another transformation's, seen first.
     found = self._padded.get(key[1])
-    if found is None and key in _PADDED and _placed_as_stored(tree, _PADDED[key][1]):
-      found = _PADDED[key]
+    if found is not None and _placement(tree, found[1]) is False:
+      found = None  # a model of its own, whose logical shapes are the padded ones
+    if found is None and key in _PADDED:
+      placed = _placement(tree, _PADDED[key][1])
+      if placed is None:
+        raise _ambiguous_error(tree, _PADDED[key][1])
+      found = _PADDED[key] if placed else None
     if found is not None:
       logical, layout = found
       own = self(jax.tree.unflatten(key[0], logical))
@@ -166,25 +171,27 @@ class Planner:
     )
 
 
-def _placed_as_stored(tree: Any, layout: layout_lib.Layout) -> bool:
+def _placement(tree: Any, layout: layout_lib.Layout) -> bool | None:
   """Whether ``tree``, shaped like ``layout``'s stored arrays, is placed like them too.
 
   A padded leaf sharded over the data axes along its padded dimension is
   stored; a numpy array, an array on one device or one placed otherwise is a
-  model whose logical shapes happen to be another's padded ones. Inside
-  ``jax.jit`` under a mesh of ``Auto`` axes placements are not part of the
-  types, and nothing tells: that is refused rather than guessed.
+  model whose logical shapes happen to be padded ones. Inside ``jax.jit`` under
+  a mesh of ``Auto`` axes placements are not part of the types: ``None``.
   """
-  padded = [
+  verdicts = {
+    _sharded_like(x, leaf)
+    for leaf, x in zip(layout.leaves, jax.tree.leaves(tree), strict=True)
+    if leaf.padding
+  }
+  return False if False in verdicts else True if True in verdicts else None
+
+
+def _ambiguous_error(tree: Any, layout: layout_lib.Layout) -> ValueError:
+  leaf, x = next(
     (leaf, x) for leaf, x in zip(layout.leaves, jax.tree.leaves(tree), strict=True) if leaf.padding
-  ]
-  verdicts = {_sharded_like(x, leaf) for leaf, x in padded}
-  if False in verdicts:
-    return False
-  if True in verdicts:
-    return True
-  leaf, x = padded[0]
-  raise ValueError(
+  )
+  return ValueError(
     f"these parameters have the padded shapes another zerojax transformation stores (a leaf "
     f"of shape {np.shape(x)} is stored for a logical {leaf.shape}), and inside jax.jit under "
     "a mesh of Auto axes their placement cannot say whether they are padded. Give this "
