@@ -144,6 +144,12 @@ def test_stored_params_tell_from_a_model_of_their_padded_shapes_by_placement(typ
   assert placed["w"].shape == (7, 16)
   if types == AxisType.Explicit:
     np.testing.assert_array_equal(jax.jit(fresh().gather)(placed)["w"], params["w"])
+  # Two models stored with the same shapes, padded along other dimensions: the placement tells.
+  rows = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1, layout=jax.P("data"))
+  assert rows.shard({"w": jnp.ones((13, 16))})["w"].shape == (16, 16)
+  columns = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
+  square = columns.shard({"w": jnp.ones((16, 13))})
+  assert fresh().gather(square)["w"].shape == (16, 13)
   for other_model in (np.ones((7, 16)), jnp.ones((7, 16)), jax.device_put(jnp.ones((7, 16)))):
     tx = fresh()  # has seen no model
     assert tx.gather(tx.shard({"w": other_model}))["w"].shape == (7, 16)

@@ -91,7 +91,9 @@ def _to_logical(leaf: layout_lib.LeafLayout, x: Any) -> Any:
 #: The stored signature of each padded layout planned in this process, with the logical leaves
 #: it was planned from: so that a transformation given another's stored parameters first
 #: (``tx2.init(tx1.shard(params))``) plans from their logical shapes, not from the padding.
-_PADDED: dict[tuple[Any, ...], tuple[list[jax.ShapeDtypeStruct], layout_lib.Layout]] = {}
+#: Two models may be stored with the same shapes ((16, 13) and (13, 16) as (16, 16)): the
+#: placement tells which.
+_PADDED: dict[tuple[Any, ...], list[tuple[list[jax.ShapeDtypeStruct], layout_lib.Layout]]] = {}
 
 
 class Planner:
@@ -119,10 +121,10 @@ class Planner:
     if found is not None and _placement(tree, found[1]) is False:
       found = None  # a model of its own, whose logical shapes are the padded ones
     if found is None and key in _PADDED:
-      placed = _placement(tree, _PADDED[key][1])
-      if placed is None:
-        raise _ambiguous_error(tree, _PADDED[key][1])
-      found = _PADDED[key] if placed else None
+      placed = [_placement(tree, layout) for _, layout in _PADDED[key]]
+      if None in placed:
+        raise _ambiguous_error(tree, _PADDED[key][0][1])
+      found = next((entry for entry, p in zip(_PADDED[key], placed, strict=True) if p), None)
     if found is not None:
       logical, layout = found
       own = self(jax.tree.unflatten(key[0], logical))
@@ -135,7 +137,9 @@ class Planner:
       stored = layout.key(True)
       if stored != layout.key(False):
         self._padded.setdefault(stored[1], (structs, layout))
-        _PADDED.setdefault(stored, (structs, layout))
+        entries = _PADDED.setdefault(stored, [])
+        if (structs, layout) not in entries:
+          entries.append((structs, layout))
       for key_ in (layout.key(False), stored):
         self._known.setdefault(key_, plans)
     self._known[key] = plans
@@ -179,18 +183,18 @@ def _placement(tree: Any, layout: layout_lib.Layout) -> bool | None:
   model whose logical shapes happen to be padded ones. Inside ``jax.jit`` under
   a mesh of ``Auto`` axes placements are not part of the types: ``None``.
   """
-  verdicts = {
-    _sharded_like(x, leaf)
-    for leaf, x in zip(layout.leaves, jax.tree.leaves(tree), strict=True)
-    if leaf.padding
-  }
+  verdicts = {_sharded_like(x, leaf) for leaf, x in _padded_leaves(tree, layout)}
   return False if False in verdicts else True if True in verdicts else None
 
 
+def _padded_leaves(tree: Any, layout: layout_lib.Layout) -> list[tuple[Any, Any]]:
+  """``(leaf layout, leaf)`` of every leaf of ``tree`` that ``layout`` pads."""
+  pairs = zip(layout.leaves, jax.tree.leaves(tree), strict=True)
+  return [(leaf, x) for leaf, x in pairs if leaf.padding]
+
+
 def _ambiguous_error(tree: Any, layout: layout_lib.Layout) -> ValueError:
-  leaf, x = next(
-    (leaf, x) for leaf, x in zip(layout.leaves, jax.tree.leaves(tree), strict=True) if leaf.padding
-  )
+  leaf, x = _padded_leaves(tree, layout)[0]
   return ValueError(
     f"these parameters have the padded shapes another zerojax transformation stores (a leaf "
     f"of shape {np.shape(x)} is stored for a logical {leaf.shape}), and inside jax.jit under "
