@@ -302,18 +302,20 @@ def hpz_at_stage_2(types):
   zerojax.zero2(optax.sgd(0.1), mesh=mesh, axis_name=("node", "data"), secondary_axis="data")
 
 
+def _stored_by_another(mesh):
+  """A (7, 13) leaf as a transformation stores it, padded to (7, 16)."""
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
+  return tx.shard({"w": jnp.ones((7, 13))})
+
+
 def stored_params_of_another_layout(types):
-  params = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types), min_shard_size=1).shard(
-    {"w": jnp.ones((7, 13))}
-  )
+  params = _stored_by_another(_mesh(types))
   zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).init(params)  # stores (7, 13) whole
 
 
 def stored_params_first_seen_inside_jit_on_auto_axes(types):
   mesh = _mesh(jax.sharding.AxisType.Auto)  # on explicit axes the placement is in the types
-  params = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1).shard(
-    {"w": jnp.ones((7, 13))}
-  )
+  params = _stored_by_another(mesh)
   jax.jit(zerojax.zero3(optax.adam(0.1), mesh=mesh, min_shard_size=1).init)(params)
 
 

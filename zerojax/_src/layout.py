@@ -362,7 +362,7 @@ def _plan_leaf(path, leaf, override, context: _Context, mirrors) -> LeafLayout:
     )
   shape = tuple(int(s) for s in leaf.shape)
   dtype = _canonical(leaf.dtype)
-  placed = _placement(leaf, len(shape))
+  placed = placement(leaf, len(shape))
   _check_replica_axes(placed, context.replica_axes, where)
   base = tuple(_without(e, context.data_axes) for e in placed)
   placed_dim = _data_dim(placed, context.data_axes, where)
@@ -403,7 +403,7 @@ def _is_shardable(dtype: np.dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _placement(leaf, ndim: int) -> tuple[Any, ...]:
+def placement(leaf, ndim: int) -> tuple[Any, ...]:
   """The leaf's current ``PartitionSpec`` entries, one per dimension (all ``None`` if unplaced).
 
   A tracer (``tx.shard`` under ``jax.eval_shape`` or ``jax.jit``) has its

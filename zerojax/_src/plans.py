@@ -118,10 +118,10 @@ class Planner:
       return self._known[key]
     # Stored parameters in another container, or another transformation's, seen first.
     found = self._padded.get(key[1])
-    if found is not None and _placement(tree, found[1]) is False:
+    if found is not None and _placed_as_stored(tree, found[1]) is False:
       found = None  # a model of its own, whose logical shapes are the padded ones
     if found is None and key in _PADDED:
-      placed = [_placement(tree, layout) for _, layout in _PADDED[key]]
+      placed = [_placed_as_stored(tree, layout) for _, layout in _PADDED[key]]
       if None in placed:
         raise _ambiguous_error(tree, _PADDED[key][0][1])
       found = next((entry for entry, p in zip(_PADDED[key], placed, strict=True) if p), None)
@@ -175,7 +175,7 @@ class Planner:
     )
 
 
-def _placement(tree: Any, layout: layout_lib.Layout) -> bool | None:
+def _placed_as_stored(tree: Any, layout: layout_lib.Layout) -> bool | None:
   """Whether ``tree``, shaped like ``layout``'s stored arrays, is placed like them too.
 
   A padded leaf sharded over the data axes along its padded dimension is
@@ -207,16 +207,12 @@ def _ambiguous_error(tree: Any, layout: layout_lib.Layout) -> ValueError:
 def _sharded_like(x: Any, leaf: layout_lib.LeafLayout) -> bool | None:
   """Whether ``x`` is split along ``leaf``'s padded dimension as stored; ``None``: unknown."""
   if isinstance(x, Tracer):
-    sharding = jax.typeof(x).sharding
-    if not mesh_lib.is_explicit(sharding.mesh):
+    if not mesh_lib.is_explicit(jax.typeof(x).sharding.mesh):
       return None
-  elif isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding):
-    sharding = x.sharding
-  else:
+  elif not (isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)):
     return False
-  spec = (*sharding.spec, *(None,) * (np.ndim(x) - len(sharding.spec)))
   assert leaf.dim is not None  # a padded leaf
-  return spec[leaf.dim] == leaf.spec[leaf.dim]
+  return layout_lib.placement(x, np.ndim(x))[leaf.dim] == leaf.spec[leaf.dim]
 
 
 def _other_layout_error(other: layout_lib.Layout, own: Plans) -> ValueError:
