@@ -1,40 +1,71 @@
 """Every pytest run, of the tests or of the doctests under zerojax/ alone, sees 8 CPU devices."""
 
+import pytest
+
 from tests import environment
 
 environment.prepare()  # before JAX is imported: it reads the environment then
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+#: Seconds each module takes on CI (a worker's wall time, from a run of the suite; the doctests of
+#: a zerojax module under its name), rounded. pytest-xdist hands whole modules to its workers in
+#: collection order (``--no-loadscope-reorder`` in pyproject.toml), so the longest go first and
+#: the short ones fill in around them, instead of a long one starting last and running alone.
+#: Those that mostly wait on subprocesses (SLURM, restarts) are among the first: the others fill
+#: the cores meanwhile. A module not listed counts as shorter than any listed.
+MODULE_SECONDS = {
+  "test_equivalence": 143,
+  "test_overlap": 135,
+  "test_examples": 120,
+  "test_offload": 113,
+  "test_fault_tolerance": 104,
+  "test_slurm": 103,
+  "test_pipeline": 103,
+  "test_multiprocess": 88,
+  "test_checkpoint": 79,
+  "test_flax": 66,
+  "test_quantize": 59,
+  "test_accelerators": 53,
+  "test_nonfinite": 45,
+  "test_docs": 45,
+  "test_meshes": 38,
+  "test_memory_and_communication": 36,
+  "test_precision": 30,
+  "test_api": 29,
+  "test_elastic": 28,
+  "test_hpz": 27,
+  "test_ordering": 26,
+  "test_bad_input": 24,
+  "test_layout": 13,
+  "flax_linen": 12,
+  "test_export": 12,
+  "test_accumulation": 12,
+  "test_mutations": 12,
+  "test_estimate": 12,
+  "test_transformation": 9,
+  "test_cli_errors": 7,
+  "flax_nnx": 6,
+  "scan": 6,
+}
 
-import zerojax  # noqa: E402
 
-zerojax.distributed.use_cpu_devices(8)
+def pytest_configure(config: pytest.Config) -> None:
+  # pytest-xdist's controller only hands tests out: JAX is for the processes that run them
+  # (its workers, or this one with -n 0), and starting it here would delay the workers' start.
+  distributing = getattr(config.option, "numprocesses", None) and not config.option.collectonly
+  if distributing and not hasattr(config, "workerinput"):
+    return
+  import zerojax
 
-#: The test modules that take longest, in wall time, longest first: pytest-xdist hands modules to
-#: its workers in collection order (``--no-loadscope-reorder`` in pyproject.toml), so these start
-#: first and the short ones fill in around them, instead of a long one starting last and running
-#: alone. Those that mostly wait on subprocesses (SLURM, restarts) lead: the others fill the
-#: cores meanwhile. The rest keep their order.
-LONGEST_FIRST = (
-  "test_slurm",
-  "test_fault_tolerance",
-  "test_examples",
-  "test_equivalence",
-  "test_multiprocess",
-  "test_overlap",
-  "test_pipeline",
-  "test_offload",
-  "test_elastic",
-  "test_ordering",
-)
+  zerojax.distributed.use_cpu_devices(8)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: modules stay whole
+  seconds = lambda item: MODULE_SECONDS.get(item.path.stem, 0)
+  items.sort(key=seconds, reverse=True)  # stable: modules stay whole, in their order if unlisted
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _eight_devices():
+  import jax
+
   assert jax.device_count() == 8, "tests need 8 devices; did something start JAX before conftest?"
