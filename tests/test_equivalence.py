@@ -74,16 +74,28 @@ ELEMENT_BY_ELEMENT = {
   *("sgd_momentum", "adamw", "lion", "adagrad", "rmsprop", "adabelief", "yogi", "radam"),
   *("nadamw", "amsgrad", "adamax", "adadelta", "adan", "inject_hyperparams"),
 }
-# The explicit path at every stage for adam and every optimizer that does more (norms,
-# whole-matrix math, factored or per-dimension statistics, wrappers). Stages differ in how
-# gradients arrive and where parameters live, not in how an optimizer's state is split: the
-# element-by-element optimizers run at stage 3, where parameters are split too, and adam stands
-# for them at stages 1 and 2.
-EXPLICIT_CASES = [
-  (stage, name)
-  for name in sorted(OPTIMIZERS)
-  for stage in ((3,) if name in ELEMENT_BY_ELEMENT else (1, 2, 3))
-]
+# The optimizers that do more (norms, whole-matrix math, factored or per-dimension statistics,
+# wrappers) and read the parameters in their update (LAMB's and LARS's trust ratios, Fromage's
+# norms, Adafactor's parameter scale, schedule-free's interpolation, Prodigy's distance).
+READS_PARAMS = {"lamb", "lars", "fromage", "adafactor", "schedule_free_adamw", "prodigy"}
+
+
+def explicit_stages(name: str) -> tuple[int, ...]:
+  """The stages the explicit path runs ``name`` at.
+
+  Stages differ in how gradients arrive (whole at stage 1, reduce-scattered at 2 and 3) and
+  where parameters live (whole at 1 and 2, split at 3), not in how an optimizer's state is
+  split. Adam runs at every stage, and so does every optimizer that reads the parameters (stage
+  2 meets split gradients with whole parameters). Stage 2 hands the others what stage 3 does:
+  they run at stages 1 and 3. The element-by-element optimizers run at stage 3, where
+  everything is split.
+  """
+  if name in ELEMENT_BY_ELEMENT:
+    return (3,)
+  return (1, 2, 3) if name == "adam" or name in READS_PARAMS else (1, 3)
+
+
+EXPLICIT_CASES = [(stage, name) for name in sorted(OPTIMIZERS) for stage in explicit_stages(name)]
 
 
 @pytest.mark.parametrize("stage, name", EXPLICIT_CASES)
@@ -95,15 +107,14 @@ def test_explicit_path_matches_plain_optax(stage, name, problem, mesh):
   chex.assert_trees_all_close(models.train(tx, params, batch, STEPS), expected, **ROUNDING)
 
 
-# The drop-in path differs from the explicit one only in the gradients handed to
-# tx.update (full, from jax.grad, instead of reduce-scattered), whatever the optimizer. So it
-# runs at stage 3 with adam standing for the element-by-element optimizers, and with every
-# optimizer that does more; those with norms or whole-matrix math run it at stage 1 too. Not at
-# stage 2: given full gradients, stage 2 stores what stage 1 stores, and its step compiles to
-# stage 1's program.
-DROP_IN_CASES = [(3, name) for name in sorted(OPTIMIZERS) if name not in ELEMENT_BY_ELEMENT] + [
-  (1, name) for name in ("adam", "clip_by_global_norm", "lamb", "adafactor", "muon", "multi_steps")
-]
+# The drop-in path differs from the explicit one only in the gradients handed to tx.update
+# (whole, from jax.grad, instead of reduce-scattered), whatever the optimizer. So it runs at
+# stages 1 and 3 with adam, and with one optimizer of each kind that does more: a global norm,
+# a trust ratio read from the parameters, factored statistics, whole-matrix math and a wrapper
+# that keeps its own state. Not at stage 2: given whole gradients, stage 2 stores what stage 1
+# stores, and its step compiles to stage 1's program.
+DROP_IN_OPTIMIZERS = ("adam", "clip_by_global_norm", "lamb", "adafactor", "muon", "multi_steps")
+DROP_IN_CASES = [(stage, name) for stage in (1, 3) for name in DROP_IN_OPTIMIZERS]
 
 
 @pytest.mark.parametrize("stage, name", DROP_IN_CASES)
