@@ -10,8 +10,9 @@ environment.prepare()  # before JAX is imported: it reads the environment then
 #: a zerojax module under its name), rounded. pytest-xdist hands whole modules to its workers in
 #: collection order (``--no-loadscope-reorder`` in pyproject.toml), so the longest go first and
 #: the short ones fill in around them, instead of a long one starting last and running alone.
-#: Those that mostly wait on subprocesses (SLURM, restarts) are among the first: the others fill
-#: the cores meanwhile. A module not listed counts as shorter than any listed.
+#: The long ones include those that mostly wait on subprocesses (SLURM, restarts), which start
+#: early so that the others fill the cores meanwhile. A module not listed counts as shorter than
+#: any listed.
 MODULE_SECONDS = {
   "test_equivalence": 143,
   "test_overlap": 135,
