@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from model import AXIS
 
 import zerojax
-from zerojax._src import deviceless
+from zerojax._src.diagnostics import deviceless
 
 MIB = 2**20
 #: The models, by name: (the stack's shape, the targets it is compiled for by default).

@@ -44,7 +44,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax._src import deviceless
+from zerojax._src.diagnostics import deviceless
 
 #: Set in the compiling process that ``--target`` starts.
 _TARGET_PROCESS = "ZEROJAX_HPZ_BENCHMARK_TARGET"

@@ -290,9 +290,9 @@ def slots_run(hlo: str) -> tuple[int, int]:
   """
   import re
 
-  from zerojax._src import hlo as hlo_lib
-  from zerojax._src.pipeline_stage import BACKWARD_SLOT, FORWARD_SLOT
-  from zerojax._src.schedule import _executions
+  from zerojax._src.diagnostics import hlo as hlo_lib
+  from zerojax._src.diagnostics.gpu_log import _executions
+  from zerojax._src.pipeline.stage import BACKWARD_SLOT, FORWARD_SLOT
 
   computations, entry = hlo_lib.parse_module(hlo)
   loops = [

@@ -29,10 +29,10 @@ On CPU the script asks JAX for ``--devices`` CPU devices (8 by default,
   python examples/train_lm.py --mesh node=2,data=4 --secondary-axis data  # ZeRO++'s hpZ
   python examples/train_lm.py --quantized-weights int8 --quantized-gradients int8  # ZeRO++
   python examples/train_lm.py --checkpoint-dir ckpt --resume  # save every 100 steps; resume
-  python -m zerojax.launch -n 2 --devices-per-process 4 examples/train_lm.py  # 2 processes
-  python -m zerojax.launch -n 2 --devices-per-process 4 --max-restarts 3 \\
+  python -m zerojax_launch -n 2 --devices-per-process 4 examples/train_lm.py  # 2 processes
+  python -m zerojax_launch -n 2 --devices-per-process 4 --max-restarts 3 \\
     examples/train_lm.py --checkpoint-dir ckpt --resume      # restarted after failures
-  python -m zerojax.launch -n 2 --devices-per-process 4 --max-restarts 3 --min-processes 1 \\
+  python -m zerojax_launch -n 2 --devices-per-process 4 --max-restarts 3 --min-processes 1 \\
     examples/train_lm.py --per-device-batch 4 --checkpoint-dir ckpt --resume  # fewer hosts
   sbatch examples/slurm/train.sbatch                          # SLURM: one process per GPU
 
@@ -65,7 +65,7 @@ continues from exactly that step.
 Elastic batches: with ``--per-device-batch P`` the micro-batches are whatever
 reaches ``--batch-size`` with at most P sequences per device
 (``zerojax.distributed.elastic_microbatches``), so a run resumed on fewer devices (a host
-lost for good, ``python -m zerojax.launch --min-processes``) keeps its global
+lost for good, ``python -m zerojax_launch --min-processes``) keeps its global
 batch, and a device count that cannot reach it is refused with those that can.
 Batches depend on the seed, the step and the sample's index only, never on the
 device or process count.
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     type=at_least(1),
     help="the most sequences a device takes at once; the micro-batches are then whatever "
     "reaches --batch-size on the devices there are (zerojax.distributed.elastic_microbatches), "
-    "so a run restarted on fewer devices (python -m zerojax.launch --min-processes) keeps its "
+    "so a run restarted on fewer devices (python -m zerojax_launch --min-processes) keeps its "
     "batch",
   )
   parser.add_argument(

@@ -24,7 +24,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax._src import deviceless, schedule
+from zerojax._src.diagnostics import deviceless
+from zerojax._src.diagnostics import gpu_log as schedule
 
 LAYERS, D, F = 4, 512, 1536
 #: Tokens a step, by platform. XLA:TPU's compile time grows with them (three programs: 46 s of
@@ -164,7 +165,7 @@ MUTATIONS = {
 
 
 def byte_packed():
-  from zerojax._src import comm
+  from zerojax._src.comm import primitives as comm
 
   def packed(self, values):
     import numpy as np

@@ -12,7 +12,7 @@ checkpoint and prints the error, if any.
 Faults for the restart tests, in ``CHECKPOINT_WORKER_FAULT`` (comma-separated):
 ``kill-in-first-save`` kills the process (SIGKILL) while its first save is
 being written, on the first attempt only (``ZEROJAX_ATTEMPT``, set by
-``python -m zerojax.launch``); ``kill-after-save-N`` kills it once the save of
+``python -m zerojax_launch``); ``kill-after-save-N`` kills it once the save of
 step N is complete, on the first attempt only; ``raise-at-N`` raises at step
 N, every time.
 

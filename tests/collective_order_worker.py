@@ -3,7 +3,7 @@
 A deep stack of wide scanned layers with a small batch, plus leaves used after
 the stack whose dimensions are prime: the program that made XLA:CPU abort in
 its collective rendezvous before zerojax ordered the collectives around loops
-(see zerojax/_src/ordering.py). Run by tests/test_ordering.py, or by hand:
+(see zerojax/_src/comm/ordering.py). Run by tests/test_ordering.py, or by hand:
 
   python tests/collective_order_worker.py --stage 2 --steps 30 [--without-ordering]
 
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax._src import ordering
+from zerojax._src.comm import ordering
 
 zerojax.distributed.use_cpu_devices(8)
 

@@ -89,10 +89,10 @@ def assert_placed(state: Any, spec: zerojax.StateSpec) -> None:
 def run_checkpoint_worker(
   directory: Path, fault: str, max_restarts: int
 ) -> subprocess.CompletedProcess:
-  """``CHECKPOINT_WORKER`` under ``python -m zerojax.launch``, with ``fault`` injected."""
+  """``CHECKPOINT_WORKER`` under ``python -m zerojax_launch``, with ``fault`` injected."""
   return subprocess.run(
     [
-      *(sys.executable, "-m", "zerojax.launch", "-n", "1", "--max-restarts", str(max_restarts)),
+      *(sys.executable, "-m", "zerojax_launch", "-n", "1", "--max-restarts", str(max_restarts)),
       *("--timeout", "200", str(CHECKPOINT_WORKER), "train", str(directory)),
       str(CHECKPOINT_WORKER_STEPS),
     ],

@@ -1,6 +1,6 @@
-"""examples/train_lm.py as a process of ``python -m zerojax.launch``; process 1 is a lost host.
+"""examples/train_lm.py as a process of ``python -m zerojax_launch``; process 1 is a lost host.
 
-Usage: ``python -m zerojax.launch -n 2 ... tests/lost_host_worker.py CHECKPOINT_DIR [flags]``
+Usage: ``python -m zerojax_launch -n 2 ... tests/lost_host_worker.py CHECKPOINT_DIR [flags]``
 runs ``examples/train_lm.py [flags] --checkpoint-dir CHECKPOINT_DIR`` in every process. Process
 1 vanishes (SIGKILL, as a lost host does) as soon as the first checkpoint is complete, and fails
 at every start after that; once the launcher goes on without it, no process is number 1. The

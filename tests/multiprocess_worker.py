@@ -1,4 +1,4 @@
-"""One process of a multi-process test job, started by ``python -m zerojax.launch``.
+"""One process of a multi-process test job, started by ``python -m zerojax_launch``.
 
 ``train OUT [RESTORE]``: for stages 1, 2 and 3 (explicit path), train
 ``tests.models`` for a few steps on the global batch assembled with

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests import accelerator_worker as worker
-from zerojax._src import deviceless
+from zerojax._src.diagnostics import deviceless
 
 #: One layer's weights (what a gather makes whole), in bytes.
 LAYER = 4 * 2 * worker.D * worker.F

@@ -297,11 +297,6 @@ def deferred_reductions_without_prefetch(types):
   )
 
 
-def hpz_at_stage_2(types):
-  mesh = jax.make_mesh((2, 4), ("node", "data"), (types, types))
-  zerojax.zero2(optax.sgd(0.1), mesh=mesh, axis_name=("node", "data"), secondary_axis="data")
-
-
 def _stored_by_another(mesh):
   """A (7, 13) leaf as a transformation stores it, padded to (7, 16)."""
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
@@ -402,7 +397,6 @@ CASES = {
   "defer_reductions=True reduce-scatters each layer's gradient in the next iteration": (
     deferred_reductions_without_prefetch
   ),
-  "secondary_axis (ZeRO++'s hpZ) keeps a second, intra-node copy": hpz_at_stage_2,
   "these parameters are stored (padded) by another zerojax transformation, in a layout this "
   "one does not use": stored_params_of_another_layout,
   "inside jax.jit under a mesh of Auto axes their placement cannot say whether they are "

@@ -22,10 +22,10 @@ import pytest
 import zerojax
 from tests.helpers import CHECKPOINT_WORKER, STAGES, assert_placed, final_params, unpadded
 from zerojax import CheckpointManager, StateSpec, train_state_spec
-from zerojax._src import checkpoint_master as master_lib
-from zerojax._src import checkpoint_record as record_lib
-from zerojax._src import checkpoint_verdict as verdict_lib
-from zerojax._src.checkpoint_verdict import Verdict
+from zerojax._src.checkpoint import master as master_lib
+from zerojax._src.checkpoint import record as record_lib
+from zerojax._src.checkpoint import verdict as verdict_lib
+from zerojax._src.checkpoint.verdict import Verdict
 
 # jax.make_mesh's default (explicit sharding in types) and the compiler-decides kind.
 AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}

@@ -118,7 +118,7 @@ CASES = [
     "--resume from {tmp}/earlier_run: checkpoint step 2 in {tmp}/earlier_run does not fit this "
     "manager's spec",
   ),
-  # python -m zerojax.launch
+  # python -m zerojax_launch
   ("launch", ["-n", "2", "nosuch.py"], "nosuch.py: no such script"),
   ("launch", ["-n", "2", "--timeout", "0", "x.py"], "--timeout must be above 0, got 0"),
   ("launch", ["-n", "2", "--grace-period", "-1", "x.py"], "--grace-period must be at least 0"),

@@ -1,7 +1,7 @@
 """Going on with fewer hosts: the batch arithmetic, the data order, and a job that loses a process.
 
 The job: ``examples/train_lm.py`` (tiny model, a global batch of 32, at most 4 sequences per
-device) as 2 processes x 4 devices under ``python -m zerojax.launch --max-restarts 3``, with
+device) as 2 processes x 4 devices under ``python -m zerojax_launch --max-restarts 3``, with
 ``tests/lost_host_worker.py`` making process 1 a host lost for good: it vanishes once the first
 checkpoint is complete and fails at every start after that. Run with ``--min-processes 2`` the
 launcher gives up, naming process 1; resubmitted with ``--min-processes 1`` the job goes on
@@ -170,7 +170,7 @@ def run_job(checkpoints: Path, out: Path, min_processes: int) -> tuple[int, str,
   begin = time.monotonic()
   done = subprocess.run(
     [
-      *(sys.executable, "-m", "zerojax.launch", "-n", "2", "--devices-per-process", "4"),
+      *(sys.executable, "-m", "zerojax_launch", "-n", "2", "--devices-per-process", "4"),
       *("--max-restarts", "3", "--min-processes", str(min_processes), "--grace-period", "2"),
       *("--timeout", "300", WORKER, str(checkpoints), *lm_reference.FLAGS),
       *("--save-every", "5", "--resume", "--out", str(out)),

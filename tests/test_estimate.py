@@ -16,7 +16,7 @@ import pytest
 import zerojax
 from tests import models
 from zerojax import estimate as estimate_cli
-from zerojax._src.estimate import STAGES
+from zerojax._src.diagnostics.estimate import STAGES
 
 # The ZeRO paper's Table I: GB per device for Ψ = 7.5B, mixed-precision Adam.
 TABLE_I = {
@@ -223,8 +223,8 @@ def measured_communication(stage, weights=None, gradients=None, replicas=1, rega
       optax.sgd(0.1),
       mesh=mesh,
       replica_axis="replica" if replicas > 1 else None,
-      quantized_weights=weights,
       quantized_gradients=gradients,
+      **({"quantized_weights": weights} if weights else {}),
     )
     params = tx.shard(params)
     grad_fn = lambda params, x: zerojax.value_and_grad(loss_fn, tx)(params, x)[1]

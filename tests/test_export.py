@@ -14,7 +14,7 @@ import pytest
 import zerojax
 from tests import environment
 from zerojax import CheckpointManager, export_safetensors, load_params, train_state_spec
-from zerojax._src import export as export_lib
+from zerojax._src.checkpoint import export as export_lib
 from zerojax.export import main as export_main
 
 
@@ -74,7 +74,7 @@ def test_exports_the_full_precision_unpadded_params(tmp_path, mesh):
 MEASURE_EXPORT = """
 import gc, json, sys
 import zerojax
-from zerojax._src import export as export_lib
+from zerojax._src.checkpoint import export as export_lib
 
 def status(field):
   with open("/proc/self/status") as file:

@@ -1,7 +1,7 @@
 """Fault tolerance: the main job survives a kill, a preemption, a hang and a damaged checkpoint.
 
 ``test_the_main_job_survives_...`` runs ``examples/train_lm.py`` (tiny model, 2
-processes x 1 CPU device on loopback) under ``python -m zerojax.launch
+processes x 1 CPU device on loopback) under ``python -m zerojax_launch
 --max-restarts 2`` and hits it, one attempt after the other, at random steps:
 
 1. ``kill -9`` of process 1: the launcher stops process 0 and restarts the
@@ -55,13 +55,13 @@ GRACE = 3  # --grace-period, seconds
 
 
 class Job:
-  """``python -m zerojax.launch ARGS`` running, its output lines collected with their times."""
+  """``python -m zerojax_launch ARGS`` running, its output lines collected with their times."""
 
   def __init__(self, *args: str, env: dict | None = None):
     self.lines: list[tuple[float, str]] = []
     self._lock = threading.Lock()
     self.process = subprocess.Popen(
-      [sys.executable, "-m", "zerojax.launch", *args],
+      [sys.executable, "-m", "zerojax_launch", *args],
       cwd=ROOT,
       env=environment.subprocess_env(**(env or {})),
       stdout=subprocess.PIPE,
@@ -216,7 +216,7 @@ def test_the_main_job_survives_a_kill_a_preemption_a_hang_and_a_damaged_checkpoi
       print(f"attempt {attempt}: resumed {resumed - started:.1f} s after it started")
 
   # Each restart resumed where it should.
-  attempts = re.split(r"zerojax.launch: attempt \d: started", text)[1:]
+  attempts = re.split(r"zerojax_launch: attempt \d: started", text)[1:]
   resumed = [re.findall(r"\[p0\] resumed from step (\d+)", attempt) for attempt in attempts]
   assert resumed[1] == [str(step) for step in saved_before_kill[-1:]], (resumed, about)
   assert resumed[2] == [str(stopped)], (resumed, stopped, about)
@@ -262,7 +262,7 @@ def test_a_late_sigterm_after_stopping_on_anothers_notice_does_not_end_the_save(
   # process. One that stops on another's notice must still catch its own
   # SIGTERM when it comes during the save: it is the same preemption, not a
   # second one. Two processes are faked: the other one's flag is `other`.
-  from zerojax._src import preemption
+  from zerojax._src.cluster import preemption
 
   monkeypatch.setattr(preemption, "_notice", preemption._Notice())
   monkeypatch.setattr(jax, "process_count", lambda: 2)

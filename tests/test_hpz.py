@@ -276,8 +276,6 @@ def test_parameters_are_split_over_every_data_axis_the_secondary_ones_first():
 @pytest.mark.parametrize(
   ("options", "message"),
   [
-    (dict(stage=2, secondary_axis="data"), "stage 2 keeps the parameters whole"),
-    (dict(stage=1, secondary_axis="data"), "stage 1 keeps the parameters whole"),
     (dict(secondary_axis="model"), "'model', which is not one of axis_name ('node', 'data')"),
     (dict(secondary_axis="rack"), "which the mesh does not have"),
     (dict(secondary_axis=("node", "data")), "names every data axis ('node', 'data')"),
@@ -289,10 +287,17 @@ def test_parameters_are_split_over_every_data_axis_the_secondary_ones_first():
 )
 def test_bad_secondary_axes_are_refused_with_the_fix(options, message):
   mesh = jax.make_mesh((2, 2, 2), (*AXES, "model"))
-  stage = options.pop("stage", 3)
   options.setdefault("axis_name", AXES)
   with pytest.raises(ValueError, match=re.escape(message)):
-    STAGES[stage](optax.adam(1e-2), mesh=mesh, **options)
+    zerojax.zero3(optax.adam(1e-2), mesh=mesh, **options)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_only_stage_3_takes_a_secondary_axis(stage):
+  # Stages 1 and 2 gather no weights, so their factories have no such keyword.
+  mesh = jax.make_mesh((2, 4), AXES)
+  with pytest.raises(TypeError, match="unexpected keyword argument 'secondary_axis'"):
+    STAGES[stage](optax.adam(1e-2), mesh=mesh, axis_name=AXES, secondary_axis="data")
 
 
 def test_the_estimator_refuses_hpz_where_it_cannot_be():

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax._src import layout as layout_lib
+from zerojax._src.sharding import layout as layout_lib
 
 shapes = st.lists(st.integers(1, 40), min_size=0, max_size=4).map(tuple)
 num_shards = st.sampled_from([1, 2, 4, 8])

@@ -23,18 +23,18 @@ from tests import environment, models, multiprocess_worker
 from tests.environment import ROOT
 from tests.helpers import ROUNDING, launch_code
 from zerojax import launch
-from zerojax._src import distributed
-from zerojax._src import launch as launch_lib
+from zerojax._src.cluster import distributed
+from zerojax_launch import launcher as launch_lib
 
 WORKER = "tests/multiprocess_worker.py"
 STAGES = (1, 2, 3)
 
 
 def run_launcher(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-  """``python -m zerojax.launch ARGS`` from the repository root."""
+  """``python -m zerojax_launch ARGS`` from the repository root."""
   env = environment.subprocess_env()
   return subprocess.run(
-    [sys.executable, "-m", "zerojax.launch", *args],
+    [sys.executable, "-m", "zerojax_launch", *args],
     cwd=ROOT,
     env=env,
     capture_output=True,
@@ -344,7 +344,8 @@ def test_train_lm_processes_with_different_flags_are_refused():
 def test_a_collective_that_lost_its_peer_ends_the_process_in_one_line():
   # What initialize's exception hook does in every process of a multi-process run.
   code = (
-    "from zerojax._src import distributed; distributed._exit_at_once_on_uncaught_exceptions(); "
+    "from zerojax._src.cluster import distributed; "
+    "distributed._exit_at_once_on_uncaught_exceptions(); "
     "raise RuntimeError('UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer "
     "[127.0.0.1]:39836')"
   )
@@ -403,7 +404,7 @@ def test_launcher_forwards_ctrl_c(tmp_path):
   script = tmp_path / "wait.py"
   script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
   launcher = subprocess.Popen(
-    [sys.executable, "-m", "zerojax.launch", "-n", "2", str(script)],
+    [sys.executable, "-m", "zerojax_launch", "-n", "2", str(script)],
     cwd=ROOT,
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
@@ -502,7 +503,7 @@ def test_launcher_passes_sigterm_on_and_exits_preempted(tmp_path):
     "time.sleep(60)\n"
   )
   launcher = subprocess.Popen(
-    [sys.executable, "-m", "zerojax.launch", "-n", "2", "--max-restarts", "3", str(script)],
+    [sys.executable, "-m", "zerojax_launch", "-n", "2", "--max-restarts", "3", str(script)],
     cwd=ROOT,
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,

@@ -32,7 +32,9 @@ from jax.sharding import AxisType
 
 import zerojax
 from tests import test_layout, test_nonfinite, test_precision, test_quantize
-from zerojax._src import layout, precision, quantize
+from zerojax._src.comm import quantized as quantize
+from zerojax._src.core import precision
+from zerojax._src.sharding import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +74,21 @@ class Mutation:
 MUTATIONS = {
   # Issue 26 section 1: the non-finite check looks at the first gradient leaf only.
   "all_finite_first_leaf_only": Mutation(
-    "zerojax._src.precision",
+    "zerojax._src.core.precision",
     "all_finite",
     "for x in jax.tree.leaves(tree) if",
     "for x in jax.tree.leaves(tree)[:1] if",
   ),
   # Section 2: every block's scale 4x its largest magnitude, so levels 4x too coarse.
   "scales_4x_too_coarse": Mutation(
-    "zerojax._src.quantize",
+    "zerojax._src.comm.quantized",
     "quantize",
     "scales = jnp.max(jnp.abs(blocks), axis=-1)",
     "scales = 4 * jnp.max(jnp.abs(blocks), axis=-1)",
   ),
   # Section 5: when nothing divides, the smallest free dimension is padded.
   "pad_the_smallest_dimension": Mutation(
-    "zerojax._src.layout",
+    "zerojax._src.sharding.layout",
     "default_shard_dim",
     "return max(group, key=lambda d: (shape[d], d)) - ndim",
     "return min(group, key=lambda d: (shape[d], d)) - ndim",
@@ -95,7 +97,7 @@ MUTATIONS = {
   # stages 1 and 2 keeps its old value for leaf 4 ("odd" in tests/models.py,
   # the leaf that moves least, 1.6e-4 in 3 steps: inside the old tolerance).
   "bf16_leaf_update_dropped": Mutation(
-    "zerojax._src.optimizer",
+    "zerojax._src.core.optimizer",
     "ShardedOptimizer._update_impl",
     "new_master = optax.apply_updates(state.master, plans.master.pad(new_updates))",
     "new_master = jax.tree.unflatten(jax.tree.structure(state.master), "

@@ -196,8 +196,9 @@ def run(stage, path, precision):
 
 @functools.cache
 def quantized_run(stage):
-  weights = "int8" if stage == 3 else None
-  options = dict(quantized_gradients="int8", quantized_weights=weights)
+  options = dict(
+    quantized_gradients="int8", **({"quantized_weights": "int8"} if stage == 3 else {})
+  )
   return Run(stage, "explicit", "fp32", hybrid_mesh(), **options)
 
 

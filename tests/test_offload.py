@@ -39,7 +39,7 @@ from tests.helpers import (
   rounding,
   run_checkpoint_worker,
 )
-from zerojax._src import offload as offload_lib
+from zerojax._src.core import offload as offload_lib
 
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "fp16": FP16}
 PATHS = ("explicit", "drop-in")

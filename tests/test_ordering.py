@@ -1,4 +1,4 @@
-"""Collectives and loops stay in step on XLA:CPU (zerojax/_src/ordering.py).
+"""Collectives and loops stay in step on XLA:CPU (zerojax/_src/comm/ordering.py).
 
 XLA:CPU may start a collective while a loop that holds collectives is still
 running, and every ``shard_map`` collective shares one rendezvous key, so the
@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 from tests import collective_order_worker as worker
 from tests import environment
-from zerojax._src import hlo, ordering
+from zerojax._src.comm import ordering
+from zerojax._src.diagnostics import hlo
 
 WORKER = os.path.join(os.path.dirname(__file__), "collective_order_worker.py")
 

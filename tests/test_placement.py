@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from tests import environment
-from zerojax._src import launch, placement
+from zerojax_launch import launcher as launch
+from zerojax_launch import placement
 
 #: A process that prints what the launcher told it about its devices.
 SHOW_ENV = (

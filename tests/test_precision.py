@@ -172,7 +172,7 @@ def test_dynamic_loss_scale_follows_deepspeed():
   ours = zerojax.LossScaleState(*(jnp.asarray(x) for x in (2.0**4, 0, 2)))
   theirs = DeepSpeedLossScaler(2.0**4, 3, 2, 2.0)
   overflows = np.random.default_rng(0).random(300) < 0.3
-  adjust = jax.jit(functools.partial(zerojax._src.precision.adjust_loss_scale, policy))
+  adjust = jax.jit(functools.partial(zerojax._src.core.precision.adjust_loss_scale, policy))
   for overflow in overflows:
     ours = adjust(ours, jnp.asarray(not overflow))
     theirs.update_scale(overflow)

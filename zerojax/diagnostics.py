@@ -14,13 +14,13 @@ from the log ``capture_stderr`` collected meanwhile. See docs/accounting.md
 and docs/performance.md.
 """
 
-from zerojax._src.deviceless import capture_stderr
-from zerojax._src.deviceless import environment as deviceless_environment
-from zerojax._src.deviceless import mesh as deviceless_mesh
-from zerojax._src.hlo import Collective, count_collectives, count_collectives_by_axes
-from zerojax._src.overlap import LoopCollectives, loop_collectives
-from zerojax._src.profile import StepProfile, profile
-from zerojax._src.schedule import ComputationEstimate, StepEstimate, scheduler_estimate
+from zerojax._src.diagnostics.deviceless import capture_stderr
+from zerojax._src.diagnostics.deviceless import environment as deviceless_environment
+from zerojax._src.diagnostics.deviceless import mesh as deviceless_mesh
+from zerojax._src.diagnostics.gpu_log import ComputationEstimate, StepEstimate, scheduler_estimate
+from zerojax._src.diagnostics.hlo import Collective, count_collectives, count_collectives_by_axes
+from zerojax._src.diagnostics.overlap import LoopCollectives, loop_collectives
+from zerojax._src.diagnostics.profile import StepProfile, profile
 
 __all__ = (
   "Collective",

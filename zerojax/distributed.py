@@ -11,11 +11,11 @@ global batch on fewer devices; ``use_cpu_devices`` fakes devices on one CPU.
 See docs/multiprocess.md and docs/fault_tolerance.md.
 """
 
-from zerojax._src.devices import use_cpu_devices
-from zerojax._src.distributed import gather_to_host, global_batch, initialize
-from zerojax._src.elastic import elastic_device_counts, elastic_microbatches
-from zerojax._src.job import PREEMPTED_EXIT_CODE
-from zerojax._src.preemption import preemption_requested
+from zerojax._src.cluster.devices import use_cpu_devices
+from zerojax._src.cluster.distributed import gather_to_host, global_batch, initialize
+from zerojax._src.cluster.elastic import elastic_device_counts, elastic_microbatches
+from zerojax._src.cluster.preemption import preemption_requested
+from zerojax_launch.job import PREEMPTED_EXIT_CODE
 
 __all__ = (
   "PREEMPTED_EXIT_CODE",

@@ -12,7 +12,7 @@ Examples:
 
 """
 
-from zerojax._src.estimate_cli import (
+from zerojax._src.diagnostics.estimate_cli import (
   communication_table,
   hpz_table,
   main,

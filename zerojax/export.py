@@ -8,7 +8,7 @@ Example:
 From Python, ``zerojax.export_safetensors("ckpt", "model.safetensors")`` does the same.
 """
 
-from zerojax._src.export import main
+from zerojax._src.checkpoint.export import main
 
 __all__ = ("main",)
 

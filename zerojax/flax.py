@@ -18,17 +18,17 @@ with this module: a Linen program starts 0.7 s sooner.
 import importlib
 from typing import TYPE_CHECKING
 
-from zerojax._src.flax_linen import gathered, pipeline, remat_gathered, scan
+from zerojax._src.flax.linen import gathered, pipeline, remat_gathered, scan
 
 if TYPE_CHECKING:
-  from zerojax._src.flax_nnx import nnx_gathered, nnx_pipeline, nnx_scan, nnx_value_and_grad
+  from zerojax._src.flax.nnx import nnx_gathered, nnx_pipeline, nnx_scan, nnx_value_and_grad
 
 _NNX = frozenset({"nnx_gathered", "nnx_pipeline", "nnx_scan", "nnx_value_and_grad"})
 
 
 def __getattr__(name: str):
   if name in _NNX:
-    value = getattr(importlib.import_module("zerojax._src.flax_nnx"), name)
+    value = getattr(importlib.import_module("zerojax._src.flax.nnx"), name)
     globals()[name] = value
     return value
   raise AttributeError(f"module 'zerojax.flax' has no attribute {name!r}")

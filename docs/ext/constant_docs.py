@@ -17,17 +17,21 @@ from sphinx.pycode import ModuleAnalyzer
 from sphinx.util import logging
 
 import zerojax._src
+import zerojax_launch
 
 logger = logging.getLogger(__name__)
 
 
 @functools.cache
 def source_comments() -> dict[str, list[str]]:
-  """``name -> lines`` of every module-level ``#:`` comment in ``zerojax._src``."""
+  """``name -> lines`` of every module-level ``#:`` comment in ``zerojax._src`` and the
+  launcher's package."""
   found = {}
-  for info in pkgutil.iter_modules(zerojax._src.__path__):
-    docs = ModuleAnalyzer.for_module(f"zerojax._src.{info.name}").find_attr_docs()
-    found.update((name, list(lines)) for (scope, name), lines in docs.items() if not scope)
+  packages = ((zerojax._src, "zerojax._src."), (zerojax_launch, "zerojax_launch."))
+  for package, prefix in packages:
+    for info in pkgutil.walk_packages(package.__path__, prefix):
+      docs = ModuleAnalyzer.for_module(info.name).find_attr_docs()
+      found.update((name, list(lines)) for (scope, name), lines in docs.items() if not scope)
   return found
 
 

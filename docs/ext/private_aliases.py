@@ -1,7 +1,7 @@
 """Sphinx extension: types written with zerojax's private module aliases link to the public name.
 
 The code annotates with the private modules it imports (``layout_lib.Layout``,
-``precision_lib.Precision``, ``zerojax._src.zero.ZeroState``); the reader knows the
+``precision_lib.Precision``, ``zerojax._src.core.transformation.ZeroState``); the reader knows the
 public name (``zerojax.Layout``, ``zerojax.diagnostics.StepProfile``). A reference that
 does not resolve, whose prefix is such an alias and whose last part is a documented
 ``zerojax`` name, or else the last part of exactly one documented name of a public

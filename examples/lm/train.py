@@ -125,14 +125,15 @@ def zero_options(config: configs.Config) -> dict[str, Any]:
   """The keyword arguments of ``zerojax.zero{stage}`` the flags set (none for stage 0)."""
   if not config.stage:
     return {}
-  return dict(
+  options: dict[str, Any] = dict(
     precision=config.precision,
-    quantized_weights=config.quantized_weights,
     quantized_gradients=config.quantized_gradients,
     quantization_block_size=config.quantization_block_size,
     offload=config.offload,
-    secondary_axis=config.secondary_axis,
   )
+  if config.stage == 3:  # what only stage 3, which gathers weights, takes
+    options.update(quantized_weights=config.quantized_weights, secondary_axis=config.secondary_axis)
+  return options
 
 
 class Schedule(NamedTuple):

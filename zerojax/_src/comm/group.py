@@ -1,0 +1,93 @@
+"""The shards one layer opens together, as static facts: each one's ``Transfer``, their ``Group``.
+
+A ``Group`` moves its shards side by side, one collective per shard issued
+together (XLA's combiners merge them where that pays): ``all_gather`` for
+stage 3's weights, ``read`` for stage 2's replicated copies, ``reduce_scatter``
+for every gradient. How a layer is opened from these is an ``Opening``
+(``opening.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+from zerojax._src.comm import primitives as comm
+from zerojax._src.comm import quantized as quantize
+from zerojax._src.sharding import layout as layout_lib
+
+
+class Transfer(NamedTuple):
+  """How one shard moves, as static facts.
+
+  Attributes:
+    axis: the sharded dimension of the full array (non-negative).
+    size: its logical (unpadded) size in the full array.
+    shard_shape: the shape of one device's piece (of the gradient, at stage 2).
+    compute: the dtype the full weight is returned in.
+    reduce: the dtype its gradient is reduced in.
+    grad: the dtype its gradient is returned in.
+  """
+
+  axis: int
+  size: int
+  shard_shape: tuple[int, ...]
+  compute: Any
+  reduce: Any
+  grad: Any
+
+
+class Group(NamedTuple):
+  """Shards opened together, over one data axis (static, hashable).
+
+  Attributes:
+    transfers: one ``Transfer`` per shard.
+    axis_name: the data axis (or tuple of axes).
+    replica_axes: the other axes the batch is split over (hybrid sharding):
+      stage 2's weights are typed as varying over them too.
+    weights: the ``Quantization`` of the weight all-gathers, or ``None``.
+    gradients: the ``Quantization`` of the gradient reductions, or ``None``.
+    secondary_axes: hpZ: the intra-node data axes the weights are gathered
+      over from their secondary partitions (``comm/hierarchical.py``); ``()`` without hpZ.
+  """
+
+  transfers: tuple[Transfer, ...]
+  axis_name: Any
+  replica_axes: tuple[str, ...]
+  weights: quantize.Quantization | None
+  gradients: quantize.Quantization | None
+  secondary_axes: tuple[str, ...] = ()
+
+  def all_gather(self, values: Sequence[jax.Array]) -> list[jax.Array]:
+    """The full weights of ``values`` (this device's shards), padding sliced off.
+
+    No derivative rule: ``gather`` gives them one.
+    """
+    fulls = []
+    for transfer, value in zip(self.transfers, values, strict=True):
+      full = comm.all_gather(value, self.axis_name, transfer.axis, transfer.compute, self.weights)
+      fulls.append(jax.lax.slice_in_dim(full, 0, transfer.size, axis=transfer.axis))
+    return fulls
+
+  def read(self, values: Sequence[jax.Array]) -> list[jax.Array]:
+    """Stage 2's replicated weights as they are, typed as this device's own.
+
+    Varying over the data and replica axes, so that the cotangent reaching the
+    backward pass is this device's own, which ``reduce_scatter`` then sums
+    (rather than one JAX has already all-reduced).
+    """
+    axes = (*layout_lib.axes(self.axis_name), *self.replica_axes)
+    return [jax.lax.pcast(value, axes, to="varying") for value in values]
+
+  def reduce_scatter(self, cotangents: Sequence[jax.Array]) -> list[jax.Array]:
+    """Each device's shard of the sum over devices of ``cotangents`` (full, unpadded)."""
+    count = jax.lax.axis_size(self.axis_name)
+    shards = []
+    for transfer, cotangent in zip(self.transfers, cotangents, strict=True):
+      size = transfer.shard_shape[transfer.axis] * count
+      padded = layout_lib.pad_to(cotangent.astype(transfer.reduce), transfer.axis, size)
+      shard = comm.reduce_scatter(padded, self.axis_name, transfer.axis, self.gradients)
+      shards.append(shard.astype(transfer.grad))
+    return shards

@@ -1,0 +1,135 @@
+"""The collectives inside ``jax.shard_map``, on one array each.
+
+Every array moves in a collective of its own: an all-gather of a layer's
+weights is one ``all_gather`` per leaf, issued together, and its transpose one
+``psum_scatter`` per leaf. XLA's all-gather and reduce-scatter combiners (on
+GPU and TPU) merge the collectives of one step into a variadic collective of
+several operands when that pays, without copying a byte; packing the leaves
+into one buffer by hand would copy every weight twice per use, and on TPU,
+where a bitcast to bytes is emulated, cost temporaries several times a layer's
+size (docs/performance.md has the measurements).
+
+Each collective casts on the way: a weight to the compute dtype before its
+all-gather (so a bfloat16 policy moves half the bytes), a gradient to the
+reduce dtype before its reduce-scatter. With quantization
+(``quantized_weights``, ``quantized_gradients``) a weight's all-gather moves
+its block-quantized codes and their scales (two collectives), and a
+reduce-scatter becomes an all-to-all of quantized chunks that each device sums
+in float32 (see ``quantized.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zerojax._src.comm import quantized as quantize
+from zerojax._src.sharding import layout as layout_lib
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+  """``x``'s bits as unsigned integers of the same width, for moving it unchanged.
+
+  A collective on the bits moves exactly ``x``'s bytes: XLA cannot widen it
+  (XLA:CPU runs bfloat16 collectives in float32) or move a preceding
+  narrowing cast past it. The bitcast keeps the element count, so it costs
+  nothing on any platform.
+  """
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
+  """The inverse of ``as_bits``."""
+  return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def all_gather(
+  x: jax.Array,
+  axis_name: Any,
+  axis: int,
+  dtype: Any,
+  quantization: quantize.Quantization | None = None,
+) -> jax.Array:
+  """A tiled ``jax.lax.all_gather`` of ``x`` along ``axis``, arriving as ``dtype``.
+
+  ``x`` is cast to ``dtype`` before it moves (a narrower ``dtype`` moves as
+  its bits, see ``as_bits``); with ``quantization``, its codes and scales
+  move instead and are dequantized to ``dtype`` on arrival.
+  """
+  if quantization is not None and _is_real(x):
+    return quantize.all_gather(x, axis_name, axis, quantization, dtype)
+  if x.dtype == dtype:
+    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+  bits = as_bits(x.astype(dtype))
+  return from_bits(jax.lax.all_gather(bits, axis_name, axis=axis, tiled=True), dtype)
+
+
+def reduce_scatter(
+  x: jax.Array, axis_name: Any, axis: int, quantization: quantize.Quantization | None = None
+) -> jax.Array:
+  """A tiled ``psum_scatter`` along ``axis``; with ``quantization``, ZeRO++'s quantized one.
+
+  The quantized reduction sums in float32 (or ``x``'s dtype, if wider).
+  """
+  if quantization is None or not _is_real(x):
+    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
+  return quantize.reduce_scatter(x, axis_name, axis, quantization, _summed_in(x))
+
+
+def all_reduce(
+  x: jax.Array, axis_name: Any, quantization: quantize.Quantization | None = None
+) -> jax.Array:
+  """A ``psum``; with ``quantization``, a quantized reduce-scatter and all-gather."""
+  if quantization is None or not _is_real(x):
+    return jax.lax.psum(x, axis_name)
+  return quantize.all_reduce(x, axis_name, quantization, _summed_in(x))
+
+
+def _is_real(x: jax.Array) -> bool:
+  """Whether ``x`` can move quantized. Complex leaves cannot: a block's codes and scale are real."""
+  return not jnp.issubdtype(x.dtype, jnp.complexfloating)
+
+
+def _summed_in(x: jax.Array) -> Any:
+  """The dtype a quantized reduction of ``x`` sums in: float32, or ``x``'s if wider."""
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def scatter(
+  x: jax.Array,
+  dim: int,
+  axis_name: Any,
+  size: int | None = None,
+  quantization: quantize.Quantization | None = None,
+) -> jax.Array:
+  """Reduce-scatters a full per-device array into this device's padded shard (a sum).
+
+  ``dim`` (counted from the end) is zero-padded to ``size`` first (by default,
+  to the next multiple of the number of shards). With ``quantization`` the
+  chunks move block-quantized (see ``reduce_scatter``).
+
+  An array of stacked layers whose sharded dimension is not its first is
+  reduce-scattered one layer at a time: a collective over a dimension other
+  than the most major moves strided blocks, and XLA lays the whole array out
+  again first, a second full-size copy of the gradient.
+  """
+  split = {
+    name
+    for entry in getattr(jax.typeof(x).sharding, "spec", None) or ()
+    for name in layout_lib.axes(entry or ())
+  }
+  if split:
+    # Also split over explicit mesh axes (pipeline stages): reduce each piece
+    # where it lives, manual over those axes, as loops and collectives want.
+    spec = jax.typeof(x).sharding.spec
+    each = lambda x: scatter(x, dim, axis_name, size, quantization)
+    return jax.shard_map(each, in_specs=spec, out_specs=spec, axis_names=split)(x)
+  axis = x.ndim + dim
+  if axis > 0 and x.ndim > 2:
+    return jax.lax.map(lambda layer: scatter(layer, dim, axis_name, size, quantization), x)
+  count = jax.lax.axis_size(axis_name)
+  if size is None:
+    size = -(-x.shape[axis] // count) * count
+  return reduce_scatter(layout_lib.pad_to(x, axis, size), axis_name, axis, quantization)
