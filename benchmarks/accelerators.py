@@ -129,7 +129,7 @@ def build(name: str, config: mlp.MlpConfig, target: str, precision: str, policy:
   tx = setups_lib.ZERO[stage](optax.adam(1e-3), mesh=mesh, precision=option)
   if name == "zero3 drop-in":
     loss = mlp.make_loss("plain", chosen, dtype, NamedSharding(auto, P(AXIS)))
-    return setups_lib.zero_setup(name, tx, jax.value_and_grad(loss), params, batch)
+    return setups_lib.zero_setup(name, tx, setups_lib.dropin_grad(tx, loss), params, batch)
   if name == "zero3 Flax scan":
     params, loss = mlp.flax_model(config, chosen, dtype)
   else:

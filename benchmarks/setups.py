@@ -210,8 +210,14 @@ def zero_dropin(config: ModelConfig, params, batch, *, stage: int, **options) ->
   """Plain ``jax.value_and_grad``; only the optimizer is wrapped."""
   mesh = batch[0].sharding.mesh
   tx = ZERO[stage](optax.adam(1e-3), mesh=mesh, axis_name=AXIS, **options)
-  grad_fn = jax.value_and_grad(make_loss(config, NamedSharding(mesh, P(AXIS)), stack="gather"))
-  return zero_setup(f"zero{stage} drop-in", tx, grad_fn, params, batch)
+  loss = make_loss(config, NamedSharding(mesh, P(AXIS)), stack="gather")
+  return zero_setup(f"zero{stage} drop-in", tx, dropin_grad(tx, loss), params, batch)
+
+
+def dropin_grad(tx: Any, loss: Callable[..., Any]) -> Callable[..., Any]:
+  """Plain ``jax.value_and_grad`` of ``loss`` on the parameters as arrays the model can use
+  (``tx.unpad``: stage 3 stores each leaf as a ``zerojax.Stored``)."""
+  return lambda params, *batch: jax.value_and_grad(loss)(tx.unpad(params), *batch)
 
 
 def build_setups(config: ModelConfig, batch, builders: tuple[Callable, ...]) -> list[Setup]:

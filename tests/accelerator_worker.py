@@ -53,9 +53,11 @@ def block(h, w):
   return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
 
 
-def plain_step(opt, loss):
+def plain_step(opt, loss, arrays=lambda params: params):
+  """A step of plain ``jax.value_and_grad`` on ``arrays(params)`` (``tx.unpad`` for zerojax)."""
+
   def step(params, state, x):
-    value, grads = jax.value_and_grad(loss)(params, x)
+    value, grads = jax.value_and_grad(loss)(arrays(params), x)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state, value
 
@@ -116,7 +118,7 @@ def gspmd_loss_step(tx, mesh):
     h, _ = jax.lax.scan(jax.checkpoint(body, policy=DOTS), x, params)
     return jnp.mean(h**2)
 
-  return plain_step(tx, loss)
+  return plain_step(tx, loss, tx.unpad)
 
 
 def setups(target):

@@ -65,6 +65,15 @@ def as_bits(tree: Any) -> list[np.ndarray]:
   return [np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}") for x in jax.tree.leaves(tree)]
 
 
+def is_stored(x: Any) -> bool:
+  return isinstance(x, zerojax.Stored)
+
+
+def arrays(tree: Any) -> Any:
+  """``tree`` with each ``zerojax.Stored`` replaced by its stored array (a plain tree)."""
+  return jax.tree.map(lambda x: x.value if is_stored(x) else x, tree, is_leaf=is_stored)
+
+
 def unpadded(tree: Any, logical: Any) -> Any:
   """Every leaf on the host, cut to ``logical``'s shapes; checks what is cut off is zeros."""
 
@@ -76,7 +85,7 @@ def unpadded(tree: Any, logical: Any) -> Any:
     assert not padding.any(), "padding must stay zeros"
     return x[inside]
 
-  return jax.tree.map(unpad, tree, logical)
+  return jax.tree.map(unpad, arrays(tree), logical)
 
 
 def assert_placed(state: Any, spec: zerojax.StateSpec) -> None:

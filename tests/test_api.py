@@ -115,7 +115,8 @@ def test_stage_layouts_and_shardings(mesh):
     assert tuple(placed["w"].sharding.spec) in {w_spec, (None, None)}
     state = tx.init(placed)
     assert state.inner_state[0].mu["w"].sharding.spec == jax.P(None, "data")
-    assert tx.param_shardings(params)["w"] == placed["w"].sharding
+    stored = lambda x: x.value if isinstance(x, zerojax.Stored) else x
+    assert stored(tx.param_shardings(params)["w"]) == stored(placed["w"]).sharding
     assert jax.tree.structure(tx.state_shardings(params)) == jax.tree.structure(state)
     gathered = tx.gather(placed)
     np.testing.assert_array_equal(gathered["w"], params["w"])
@@ -127,35 +128,46 @@ def test_padded_leaf_round_trip(mesh):
   x = jnp.arange(7 * 13, dtype=jnp.float32).reshape(7, 13)
   placed = tx.shard({"x": x})
   assert placed["x"].shape == (7, 16)
-  assert placed["x"].addressable_shards[0].data.shape == (7, 2)
+  assert placed["x"].value.addressable_shards[0].data.shape == (7, 2)
   np.testing.assert_array_equal(tx.gather(placed)["x"], x)
   np.testing.assert_array_equal(jax.jit(tx.gather)(placed)["x"], x)
 
 
 @pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit])
-def test_stored_params_tell_from_a_model_of_their_padded_shapes_by_placement(types):
-  # docs/guide.md's tx2.init(tx1.shard(params)), and its refusal inside jit on Auto axes, are
-  # tests/test_bad_input.py's. On explicit axes the placement is in the types, inside jit too;
-  # a model of its own whose logical shapes are the padded ones is never mistaken for them.
+def test_stored_params_carry_their_layout(types):
+  # What tx.shard returns says what it is: another transformation, which has never seen the
+  # model, reads the logical shapes from it, inside jit too, on either axis type; a model of
+  # its own whose logical shapes are the padded ones is never mistaken for it.
   mesh = make_mesh(8, types)
   fresh = lambda: zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
   params = {"w": jnp.arange(7 * 13, dtype=jnp.float32).reshape(7, 13)}
   placed = zerojax.zero3(optax.adam(0.1), mesh=mesh, min_shard_size=1).shard(params)
-  assert placed["w"].shape == (7, 16)
-  if types == AxisType.Explicit:
-    np.testing.assert_array_equal(jax.jit(fresh().gather)(placed)["w"], params["w"])
-  # Two models stored with the same shapes, padded along other dimensions: the placement tells.
+  assert isinstance(placed["w"], zerojax.Stored)
+  assert (placed["w"].shape, placed["w"].layout.shape) == ((7, 16), (7, 13))
+  np.testing.assert_array_equal(jax.jit(fresh().gather)(placed)["w"], params["w"])
+  np.testing.assert_array_equal(fresh().gather(placed)["w"], params["w"])
+  # Two models stored with the same shapes, padded along other dimensions: each leaf knows.
   rows = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1, layout=jax.P("data"))
-  assert rows.shard({"w": jnp.ones((13, 16))})["w"].shape == (16, 16)
-  columns = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
-  square = columns.shard({"w": jnp.ones((16, 13))})
+  tall = rows.shard({"w": jnp.ones((13, 16))})
+  square = fresh().shard({"w": jnp.ones((16, 13))})
+  assert tall["w"].shape == square["w"].shape == (16, 16)
   assert fresh().gather(square)["w"].shape == (16, 13)
+  # Stored in another layout: laid out again through the logical values.
+  np.testing.assert_array_equal(fresh().gather(tall)["w"], np.ones((13, 16)))
   for other_model in (np.ones((7, 16)), jnp.ones((7, 16)), jax.device_put(jnp.ones((7, 16)))):
     tx = fresh()  # has seen no model
     assert tx.gather(tx.shard({"w": other_model}))["w"].shape == (7, 16)
     tx = fresh()
     tx.shard(params)  # has seen a model of another structure, stored with these shapes
     assert tx.gather(tx.shard({"v": other_model}))["v"].shape == (7, 16)
+
+
+def test_a_stored_leaf_whose_array_a_map_reshaped_is_refused(mesh):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
+  placed = tx.shard({"w": jnp.ones((7, 13))})
+  cut = jax.tree.map(lambda x: x[:, :13], placed)  # the Stored node is kept, its array cut
+  with pytest.raises(ValueError, match=r"holds an array of shape \(7, 13\), but its layout"):
+    tx.gather(cut)
 
 
 def test_integer_leaves_pass_through(mesh):
@@ -168,7 +180,7 @@ def test_integer_leaves_pass_through(mesh):
   grads = {"w": jnp.ones((8, 128)), "ids": jnp.zeros(16, jnp.int32)}
   updates, _ = tx.update(grads, state, placed)
   new = optax.apply_updates(placed, updates)
-  np.testing.assert_array_equal(new["ids"], params["ids"])
+  np.testing.assert_array_equal(tx.gather(new)["ids"], params["ids"])
 
 
 def test_aux_is_stacked_per_device(mesh):
@@ -197,7 +209,7 @@ def test_second_step_does_not_recompile_and_donation_works(mesh):
   before = step._cache_size()
   params, state, _ = step(params, state, *batch)
   assert step._cache_size() == before
-  assert old["embed"].is_deleted(), "donated params buffer was not reused"
+  assert old["embed"].value.is_deleted(), "donated params buffer was not reused"
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

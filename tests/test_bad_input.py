@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 import zerojax.flax
+from tests.helpers import arrays
 
 MESH_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 GUIDE = pathlib.Path(__file__).parent.parent / "docs" / "guide.md"
@@ -297,21 +298,10 @@ def deferred_reductions_without_prefetch(types):
   )
 
 
-def _stored_by_another(mesh):
-  """A (7, 13) leaf as a transformation stores it, padded to (7, 16)."""
-  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
-  return tx.shard({"w": jnp.ones((7, 13))})
-
-
-def stored_params_of_another_layout(types):
-  params = _stored_by_another(_mesh(types))
-  zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).init(params)  # stores (7, 13) whole
-
-
-def stored_params_first_seen_inside_jit_on_auto_axes(types):
-  mesh = _mesh(jax.sharding.AxisType.Auto)  # on explicit axes the placement is in the types
-  params = _stored_by_another(mesh)
-  jax.jit(zerojax.zero3(optax.adam(0.1), mesh=mesh, min_shard_size=1).init)(params)
+def evaluating_on_stored_params(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  loss_fn = lambda params, x: jnp.mean(x @ zerojax.gather(params)["w"])
+  jax.jit(loss_fn)(tx.shard({"w": jnp.eye(64)[:8]}), jnp.ones((8, 8)))
 
 
 # The first column of docs/guide.md's errors table, and the misuse that raises each.
@@ -397,10 +387,8 @@ CASES = {
   "defer_reductions=True reduce-scatters each layer's gradient in the next iteration": (
     deferred_reductions_without_prefetch
   ),
-  "these parameters are stored (padded) by another zerojax transformation, in a layout this "
-  "one does not use": stored_params_of_another_layout,
-  "inside jax.jit under a mesh of Auto axes their placement cannot say whether they are "
-  "padded": stored_params_first_seen_inside_jit_on_auto_axes,
+  "a stage-3 parameter stored as (8, 64), 1/N of it on each device, was used as a whole "
+  "array": evaluating_on_stored_params,
 }
 
 # Misuses the table covers with another row's message.
@@ -420,12 +408,17 @@ def unplaced_gradients(types):
   done_right, unplaced = [], []
   for stage in (2, 3):
     tx = getattr(zerojax, f"zero{stage}")(optax.adam(0.1), mesh=_mesh(types), min_shard_size=1)
-    params = tx.shard({"w": jnp.arange(91.0).reshape(7, 13)})  # padded to (7, 16)
-    loss = lambda params, x: jnp.mean(jnp.sin(x @ zerojax.gather(params)["w"]))
+    # Padded to (7, 16) and (30, 104): a logical (30, 100) split 8 ways is uneven.
+    params = tx.shard({"w": jnp.arange(91.0).reshape(7, 13), "v": jnp.ones((30, 100)) / 9})
+
+    def loss(params, x):
+      params = zerojax.gather(params)
+      return jnp.mean(jnp.sin(x @ params["w"])) + jnp.mean(jnp.sin(x[:, :1] @ params["v"][:1]))
+
     _, grads = jax.jit(zerojax.value_and_grad(loss, tx))(params, jnp.ones((8, 7)))
     state = tx.init(params)
-    padded = jax.tree.map(np.asarray, grads)
-    logical = {"w": padded["w"][:, :13]}
+    padded = jax.tree.map(np.asarray, arrays(grads))
+    logical = {"w": padded["w"][:, :13], "v": padded["v"][:, :100]}
     for host in (padded, logical):
       done_right.append(tx.update(grads, state, params))
       unplaced.append(tx.update(host, state, params))
@@ -438,12 +431,17 @@ def stored_params_given_to_another_transformation(types):
   params = {"w": jnp.arange(91.0).reshape(7, 13), "b": jnp.ones(13)}  # "w" stored as (7, 16)
   make = lambda: zerojax.zero3(optax.adam(0.1), mesh=_mesh(types), min_shard_size=1)
   stored = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types), min_shard_size=1).shard(params)
-  done_right, mistaken = make(), make()
+  # Another layout: "w" (91 elements) stays whole under the default min_shard_size.
+  other = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).shard(params)
+  done_right, mistaken, from_other = make(), make(), make()
   right = done_right.shard(params)
-  return [right, done_right.init(right), done_right.gather(right)], [
+  return [right, done_right.init(right), done_right.gather(right)] * 2, [
     mistaken.shard(stored),
     mistaken.init(stored),
     mistaken.gather(stored),
+    from_other.shard(other),
+    from_other.init(other),
+    from_other.gather(other),
   ]
 
 
@@ -508,8 +506,8 @@ def test_these_mistakes_give_the_right_answer(what, types):
 
 @pytest.mark.parametrize("types", MESH_TYPES.values(), ids=MESH_TYPES)
 def test_evaluation_runs_on_gathered_parameters_not_on_the_stored_shards(types):
-  # The guide: the model code of value_and_grad runs in evaluation on tx.gather(params); on
-  # the stored stage-3 shards JAX refuses its matmuls on explicit axes.
+  # The guide: the model code of value_and_grad runs in evaluation on tx.gather(params); the
+  # stored stage-3 parameters refuse to be used as arrays, on either axis type, saying so.
   tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
   params = tx.shard({"w": jnp.eye(64), "layers": jnp.ones((2, 64, 64)) / 64})
   layer = lambda h, w: (jnp.tanh(h @ w), None)
@@ -521,9 +519,10 @@ def test_evaluation_runs_on_gathered_parameters_not_on_the_stored_shards(types):
   x = jnp.ones((8, 64))
   expected, _ = jax.jit(zerojax.value_and_grad(loss_fn, tx))(params, x)
   assert jax.jit(loss_fn)(tx.gather(params), x) == pytest.approx(float(expected), rel=1e-5)
-  if types == AxisType.Explicit:
-    with pytest.raises(Exception, match="Contracting dimensions are sharded"):
-      jax.jit(loss_fn)(params, x)
+  with pytest.raises(ValueError, match=r"was used as a whole array.*tx\.gather\(params\)"):
+    jax.jit(loss_fn)(params, x)
+  with pytest.raises(ValueError, match=r"in a drop-in jax\.grad step, call the model on tx\.unpad"):
+    jax.jit(lambda p, x: x @ p["w"])(params, x)
 
 
 def test_a_shard_used_without_gather_raises_a_type_error():

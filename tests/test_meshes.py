@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from tests.helpers import assert_placed, unpadded
+from tests.helpers import arrays, assert_placed, unpadded
 from tests.multi_axis_model import (
   MESHES,
   MIN_SHARD_SIZE,
@@ -125,7 +125,7 @@ def test_stage3_splits_every_leaf_over_the_data_axes_and_keeps_tensor_parallelis
     # Adam's moments mirror the parameters, tensor-parallel axis included.
     mu = state.inner_state[0].mu["layers"]
     assert jax.tree.map(lambda m: m.sharding.spec, mu) == jax.tree.map(
-      lambda p: p.sharding.spec, layers
+      lambda p: p.sharding.spec, arrays(layers)
     )
 
 

@@ -33,6 +33,7 @@ from zerojax._src.sharding.layout import (
   LeafLayout,
   default_shard_dim,
 )
+from zerojax._src.sharding.stored import Stored
 from zerojax._src.step.scan import scan
 from zerojax._src.step.value_and_grad import value_and_grad
 
@@ -51,6 +52,7 @@ __all__ = (
   "Quantization",
   "Shard",
   "StateSpec",
+  "Stored",
   "Timetable",
   "ZeroState",
   "ZeroTransformation",

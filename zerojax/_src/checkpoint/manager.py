@@ -31,6 +31,7 @@ from zerojax._src.checkpoint import record as record_lib
 from zerojax._src.checkpoint import verdict as verdict_lib
 from zerojax._src.checkpoint.spec import StateSpec, train_state_spec
 from zerojax._src.checkpoint.verdict import Verdict
+from zerojax._src.sharding import stored as stored_lib
 
 # train_state_spec lives with StateSpec; zerojax imports both from here.
 __all__ = ("CheckpointManager", "StateSpec", "train_state_spec")
@@ -98,7 +99,10 @@ class CheckpointManager:
         "zerojax.train_state_spec(tx, params) (the transformation and the full parameters)."
       )
     self.spec = spec
-    self._stored = record_lib.describe(spec.stored)
+    # On disk a stage-3 parameter is its array: Stored leaves are unwrapped to save and
+    # wrapped again as spec.stored says after a restore, so checkpoints keep one format.
+    self._plain = spec._replace(stored=stored_lib.unwrap(spec.stored))
+    self._stored = record_lib.describe(self._plain.stored)
     self._record = record_lib.layout_record(spec.logical, spec.master_path)
     policies = ocp.checkpoint_managers
     self._manager = directory_lib.open_manager(
@@ -133,6 +137,7 @@ class CheckpointManager:
         whose structure, shape or dtype differs), or the step's directory
         name is taken by something that is not a checkpoint.
     """
+    state = stored_lib.unwrap(state)
     lines = record_lib.differences(self._stored, record_lib.describe(state), ("spec", "state"))
     if lines:
       raise record_lib.listed_error(
@@ -214,14 +219,15 @@ class CheckpointManager:
       state = _read_arrays(
         self._reader,
         path,
-        master_lib.reading_plan(self.spec, saved_master),
+        master_lib.reading_plan(self._plain, saved_master),
         partial=master_lib.separate(saved_master),  # its rounded params are not read
       )
     except _UnreadableError as error:
       damage = f"{what} could not be read in full ({error} ...). It is damaged: restore another"
       return Verdict.DAMAGED, None, ValueError(f"{damage} of {self.all_steps()}.")
-    state = master_lib.master_in_place(self.spec, saved_master, state)
-    return Verdict.READ, master_lib.with_rounded_params(self.spec, state), None
+    state = master_lib.master_in_place(self._plain, saved_master, state)
+    state = master_lib.with_rounded_params(self._plain, state)
+    return Verdict.READ, stored_lib.rewrap(self.spec.stored, state), None
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or ``None``."""

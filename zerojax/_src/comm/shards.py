@@ -35,6 +35,8 @@ from zerojax._src.comm import hierarchical as hpz
 from zerojax._src.comm import opening as opening_lib
 from zerojax._src.comm import quantized as quantize
 from zerojax._src.comm.group import Group, Transfer
+from zerojax._src.sharding import stored as stored_lib
+from zerojax._src.sharding.stored import Stored
 
 #: ``jax.checkpoint_name`` of every array ``gather`` returns.
 GATHERED = "zerojax_gathered"
@@ -224,9 +226,11 @@ def gather(tree: Any) -> Any:
     >>> zerojax.gather({"w": jnp.ones(3)})["w"]
     Array([1., 1., 1.], dtype=float32)
   """
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, Shard))
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, Shard | Stored))
   groups: dict[Any, list[int]] = {}
   for index, leaf in enumerate(leaves):
+    if isinstance(leaf, Stored):
+      raise stored_lib.used_as_array(leaf)
     if isinstance(leaf, Shard):
       groups.setdefault(_group_key(leaf), []).append(index)
   for indices in groups.values():

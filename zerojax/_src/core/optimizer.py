@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -24,6 +25,7 @@ from zerojax._src.core.plans import Planner, Plans, to_logical
 from zerojax._src.core.settings import Settings
 from zerojax._src.core.state import ZeroState, check_policy, fresh_loss_scale_and_counters
 from zerojax._src.sharding import mesh as mesh_lib
+from zerojax._src.sharding import stored as stored_lib
 from zerojax._src.sharding.layout import Layout
 
 
@@ -49,6 +51,7 @@ class ShardedOptimizer:
 
   def init(self, params: optax.Params) -> ZeroState:
     plans = self.plans(params)
+    params = plans.arrays(params, self.settings.mesh)
     if plans.master is not None:
       checks.full_precision(params, plans.sharded)
     if not mesh_lib.is_traced(params):
@@ -57,8 +60,15 @@ class ShardedOptimizer:
       return self._init(params, plans=plans)
 
   def update(self, updates, state, params=None, **extra_args):
-    updates = _onto_mesh(self.settings.mesh, updates)
     plans = self.plans(updates if params is None else params)
+    # Updates come back as the parameters are: Stored leaves where they are, so that
+    # optax.apply_updates sees two trees of one structure.
+    wrapped = stored_lib.wraps(updates if params is None else params)
+    updates, params = (
+      plans.arrays(updates, self.settings.mesh),
+      plans.arrays(params, self.settings.mesh),
+    )
+    updates = _onto_mesh(self.settings.mesh, updates)
     check_policy(state, master=plans.master is not None, loss_scaled=plans.loss_scaled)
     checks.shapes(state.inner_state, plans.state, "optimizer state")
     checks.in_device_memory(state, self.settings)
@@ -71,10 +81,12 @@ class ShardedOptimizer:
         "tx.update(grads, state, params)."
       )
     with mesh_lib.set_mesh_unless_traced(self.settings.mesh, updates, state, params, extra_args):
-      return self._update(updates, state, params, extra_args, plans=plans)
+      new_updates, new_state = self._update(updates, state, params, extra_args, plans=plans)
+    return (stored_lib.wrap(plans.params, new_updates) if wrapped else new_updates), new_state
 
   def gather(self, params: optax.Params) -> optax.Params:
     plans, mesh = self.plans(params), self.settings.mesh
+    params = plans.arrays(params, self.settings.mesh)
     with mesh_lib.set_mesh_unless_traced(mesh, params):
       return _gather(
         params,
@@ -153,14 +165,18 @@ def _gather(params, *, mesh: Mesh, data_axes: tuple[str, ...], stored: Layout, l
 
 
 def _onto_mesh(mesh: Mesh, updates: Any) -> Any:
-  """``updates`` with each leaf committed to a single device (``jax.grad`` of unplaced
-  parameters, say) replicated on ``mesh`` instead, so that the update can place it."""
-  on_one_device = lambda x: (
-    isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding)
-    and getattr(x, "committed", False)
+  """``updates`` with each leaf that is not on ``mesh`` (a numpy array, an array on one device,
+  as ``jax.grad`` of unplaced parameters gives) replicated on it, so that the update places it.
+
+  Left unplaced, the compiler would choose the input's split itself, and for a logical leaf
+  (30, 100) split 8 ways that is an uneven split JAX cannot express.
+  """
+  unplaced = lambda x: (
+    not isinstance(x, Tracer)
+    and not (isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding))
   )
   replicated = NamedSharding(mesh, P())
-  return jax.tree.map(lambda x: jax.device_put(x, replicated) if on_one_device(x) else x, updates)
+  return jax.tree.map(lambda x: jax.device_put(x, replicated) if unplaced(x) else x, updates)
 
 
 def _master(mesh: Mesh, plans: Plans, state: ZeroState, params: Any) -> Any:

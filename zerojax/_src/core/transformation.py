@@ -24,9 +24,11 @@ from zerojax._src.core import checks
 from zerojax._src.core import precision as precision_lib
 from zerojax._src.core import settings as settings_lib
 from zerojax._src.core.optimizer import ShardedOptimizer
+from zerojax._src.core.plans import Plans
 from zerojax._src.core.state import ZeroState, fresh_loss_scale_and_counters
 from zerojax._src.sharding import layout as layout_lib
 from zerojax._src.sharding import mesh as mesh_lib
+from zerojax._src.sharding import stored as stored_lib
 
 
 class ZeroTransformation(optax.GradientTransformationExtraArgs):
@@ -155,14 +157,29 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     ``offload="optimizer+master"``, its compute dtype (so call ``init`` on the
     full-precision parameters first). Inside ``jax.jit`` this is a sharding
     constraint.
+
+    Stage 3 returns each leaf as a ``zerojax.Stored``, which carries its
+    layout: every zerojax API reads from it what the leaf is, and a model that
+    uses it as a whole array gets an error saying what to call instead
+    (``zerojax.gather`` in ``zerojax.value_and_grad``, ``tx.unpad`` in a
+    drop-in step, ``tx.gather`` to evaluate).
     """
     plans = self._optimizer.plans(params)
+    params = plans.arrays(params, self.mesh)
     store = lambda tree: plans.as_stored(plans.params.map(_cast, tree))
     if mesh_lib.is_traced(params):
-      return mesh_lib.global_view(self.mesh, store, plans.params.specs())(params)
-    checks.same_model_on_every_process(params)
-    place = lambda leaf, x: jax.device_put(x, NamedSharding(self.mesh, leaf.partition_spec))
-    return plans.params.map(place, store(params))
+      placed = mesh_lib.global_view(self.mesh, store, plans.params.specs())(params)
+    else:
+      checks.same_model_on_every_process(params)
+      place = lambda leaf, x: jax.device_put(x, NamedSharding(self.mesh, leaf.partition_spec))
+      placed = plans.params.map(place, store(params))
+    return self._as_stored(plans, placed)
+
+  def _as_stored(self, plans: Plans, tree: Any) -> Any:
+    """A plain tree in the stored parameters' layout, as ``shard`` returns it."""
+    if self._optimizer.settings.stage.splits_params:
+      return stored_lib.wrap(plans.params, tree)
+    return tree
 
   def gather(self, params: optax.Params) -> optax.Params:
     """Full, unpadded parameters, replicated over the data axis (for evaluation and export).
@@ -183,16 +200,17 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     return params if state.master is None else state.master
 
   def unpad(self, params: optax.Params) -> optax.Params:
-    """Stored parameters with their padding sliced off, still sharded (inside ``jax.jit``).
+    """Stored parameters as plain arrays with their padding sliced off, still sharded.
 
-    Only a drop-in stage-3 step whose parameters have padded leaves needs this:
-    call the model on ``tx.unpad(params)``. It is the identity for leaves that
-    needed no padding, and for stages 1 and 2. On a mesh with explicit axes,
+    A drop-in stage-3 step (inside ``jax.jit``) calls the model on
+    ``tx.unpad(params)``: stage 3's stored leaves are ``zerojax.Stored``, not
+    arrays. It is the identity for stages 1 and 2. On a mesh with explicit axes,
     whose types cannot express an uneven split, padded leaves come out whole
     over the data axes (other axes kept); on ``Auto`` axes the compiler keeps
     them split.
     """
     plans = self._optimizer.plans(params)
+    params = plans.arrays(params, self.mesh)
     if not (mesh_lib.is_explicit(self.mesh) and mesh_lib.is_traced(params)):
       return plans.to_logical(params)
     specs = plans.params.map(
@@ -201,12 +219,14 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     return mesh_lib.global_view(self.mesh, plans.to_logical, specs)(params)
 
   def param_shardings(self, params: optax.Params) -> Any:
-    """The ``NamedSharding`` of every stored parameter (for ``jax.jit`` and checkpoint restore).
+    """The ``NamedSharding`` of every stored parameter (for ``jax.jit`` and checkpoint restore),
+    in the structure ``shard`` returns (each in a ``zerojax.Stored`` in stage 3).
 
     Args:
       params: the parameters, full or stored, as arrays or ``jax.ShapeDtypeStruct``.
     """
-    return self._optimizer.plans(params).params.shardings(self.mesh)
+    plans = self._optimizer.plans(params)
+    return self._as_stored(plans, plans.params.shardings(self.mesh))
 
   def state_shardings(self, params: optax.Params) -> ZeroState:
     """The ``NamedSharding`` of every optimizer-state leaf that ``init(params)`` returns.

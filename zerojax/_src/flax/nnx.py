@@ -109,7 +109,7 @@ def nnx_value_and_grad(
     ...   optimizer.update(model, grads)
     ...   return loss
     >>> loss = train_step(model, optimizer, jnp.ones((8, 16)))
-    >>> model.kernel[...].sharding.spec
+    >>> model.kernel.get_value().sharding.spec  # a zerojax.Stored, 1/N on each device
     P(None, 'data')
   """
 

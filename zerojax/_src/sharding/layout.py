@@ -22,6 +22,8 @@ from jax.core import Tracer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src.sharding import stored as stored_lib
+
 #: Leaves with fewer elements than this stay replicated by default: sharding
 #: them saves almost nothing and costs one more collective each.
 DEFAULT_MIN_SHARD_SIZE = 1024
@@ -145,7 +147,8 @@ class Layout(NamedTuple):
     )
 
   def _flatten(self, tree: Any) -> list[Any]:
-    leaves, treedef = jax.tree.flatten(tree)
+    # A stage-3 parameter's Stored node stands for its array here: the layout is the node's.
+    leaves, treedef = jax.tree.flatten(stored_lib.unwrap(tree))
     if treedef != self.treedef:
       raise ValueError(
         "pytree structure does not match the layout: expected "

@@ -19,6 +19,7 @@ from zerojax._src.core.plans import Plans
 from zerojax._src.core.state import check_policy
 from zerojax._src.sharding import layout as layout_lib
 from zerojax._src.sharding import mesh as mesh_lib
+from zerojax._src.sharding import stored as stored_lib
 from zerojax._src.step import batch_mean
 
 
@@ -129,6 +130,9 @@ class _ValueAndGrad:
     settings = self.settings
     checks.not_manual(settings)
     plans = self.optimizer.plans(params)
+    # Stage 3's Stored parameters give Stored gradients, as jax.grad of them would.
+    wrapped = stored_lib.wraps(params)
+    params = plans.arrays(params, settings.mesh)
     checks.params(params, plans.params, settings)
     checks.batch(batch, settings, self.microbatches)
     scale = self._loss_scale(opt_state)
@@ -148,6 +152,7 @@ class _ValueAndGrad:
       out_specs=(P(), P(settings.batch_axes), grad_specs),
       axis_names=set(settings.batch_axes),
     )(params, scale, *batch)
+    grads = stored_lib.wrap(plans.sharded, grads) if wrapped else grads
     return ((loss, aux), grads) if self.has_aux else (loss, grads)
 
   def _per_device(self, plans: Plans, params, scale, *batch):
