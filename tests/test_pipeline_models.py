@@ -144,3 +144,78 @@ def test_explicit_path_matches_one_device_wherever_the_head_is(shape, kind, stag
     loss, grads = jax.jit(zerojax.value_and_grad(pipelined_loss(schedule), tx))(params, *batch)
     grads = tx.gather(grads)
   assert_matches_one_device(loss, grads)
+
+
+def test_loss_scale_and_a_scaled_loss_reach_the_gradients_of_the_loss_inside():
+  # The loss inside the pipeline runs its backward pass with a cotangent of 1, and scales the
+  # gradients by the cotangent that arrives afterwards: here 3 (the loss is 3 x the pipeline's)
+  # times the loss scale 8, which value_and_grad divides back out.
+  mesh = make_mesh((2, 4), EXPLICIT)
+  precision = zerojax.Precision(loss_scale=8.0)
+  tx = zerojax.zero2(optax.sgd(0.1), mesh=mesh, min_shard_size=256, precision=precision)
+  loss = pipelined_loss("1f1b")
+  tripled = lambda params, x, labels: 3 * loss(params, x, labels)
+  with jax.set_mesh(mesh):
+    params = tx.shard(placed(mesh))
+    state = tx.init(params)
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+    value, grads = jax.jit(zerojax.value_and_grad(tripled, tx))(params, *batch, opt_state=state)
+    grads = tx.gather(grads)
+  assert_matches_one_device(value, grads, scale=3.0)
+
+
+def reduce_scatters(stage: int, microbatches: int) -> int:
+  """Reduce-scatters per step of the 1F1B step at ``stage``'s default ``reduce=`` (unoptimised)."""
+  mesh = make_mesh((2, 4), AUTO)
+  tx = STAGES[stage](optax.sgd(0.1), mesh=mesh, min_shard_size=1)
+  loss = pipelined_loss("1f1b", microbatches)
+  with jax.set_mesh(mesh):
+    params = tx.shard(placed(mesh))
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+    lowered = jax.jit(zerojax.value_and_grad(loss, tx)).lower(params, *batch)
+  counts = zerojax.diagnostics.count_collectives(lowered.as_text(dialect="hlo"))
+  return counts["reduce-scatter"].count
+
+
+def test_default_reduce_is_once_per_step_at_stage_2_and_per_micro_batch_at_stage_3():
+  assert reduce_scatters(2, 4) == reduce_scatters(2, 2)
+  assert reduce_scatters(3, 4) > reduce_scatters(3, 2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_bf16_micro_batch_gradients_are_summed_in_the_reduce_dtype(schedule):
+  # Every number below is a power of two, so that bf16 computes each micro-batch's gradient
+  # exactly: one micro-batch contributes 1 to a weight's gradient, three contribute 2**-8
+  # each. Summed in float32 (the reduce dtype) that is 1 + 3 * 2**-8; summed in bfloat16, whose
+  # spacing at 1 is 2**-7, it rounds to 1 or 1 + 2**-6.
+  mesh = make_mesh((2, 4), EXPLICIT)
+  tx = zerojax.zero2(optax.sgd(0.1), mesh=mesh, min_shard_size=1, precision="bf16")
+  scale = lambda w, h: (h * w[0], None)
+  stage_fn = lambda w, h: zerojax.scan(scale, h, w)[0]
+  mean = lambda _, h: jnp.mean(h.astype(jnp.float32))
+  options = dict(microbatches=4, schedule=schedule, reduce="step")
+
+  def loss(w, x):
+    if schedule == "gpipe":
+      return mean(None, zerojax.pipeline(stage_fn, w, x, **options))
+    return zerojax.pipeline(stage_fn, w, x, loss_fn=mean, **options)
+
+  rows = jnp.asarray([1.0, 2.0**-8, 2.0**-8, 2.0**-8] * 4)  # row i: micro-batch i % 4
+  x = jnp.broadcast_to(rows[:, None], (16, 8)).astype(jnp.bfloat16)
+  w = jnp.ones((2, 1, 1, 8), jnp.float32)
+  with jax.set_mesh(mesh):
+    stored = tx.shard(jax.device_put(w, NamedSharding(mesh, P("stage"))))
+    _, grads = jax.jit(zerojax.value_and_grad(loss, tx))(
+      stored, jax.device_put(x, NamedSharding(mesh, P("data")))
+    )
+    grads = tx.gather(grads)
+  # d mean(x * w0 * w1) / d w = mean over rows of x / 8 columns, for either stage's weight.
+  np.testing.assert_array_equal(np.asarray(grads), np.full(w.shape, (1 + 3 * 2.0**-8) / 4 / 8))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_forward_only_timetable_counts_only_forward_slots(schedule):
+  # GPipe's first half, when the head follows the pipeline: its bubble is (S-1)/(M+S-1) too.
+  table = zerojax.pipeline_timetable(schedule, stages=4, microbatches=8, backward=False)
+  assert (table.backward < 0).all()
+  assert table.bubble() == pytest.approx(3 / 11)
