@@ -219,3 +219,18 @@ def test_forward_only_timetable_counts_only_forward_slots(schedule):
   table = zerojax.pipeline_timetable(schedule, stages=4, microbatches=8, backward=False)
   assert (table.backward < 0).all()
   assert table.bubble() == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize(
+  "kind, stage, schedule", [(EXPLICIT, 1, "1f1b"), (EXPLICIT, 2, "gpipe"), (AUTO, 2, "1f1b")]
+)
+def test_drop_in_path_runs_without_a_mesh_in_context(kind, stage, schedule):
+  # Placed with NamedSharding, stepped outside jax.set_mesh: the mesh is the arrays'.
+  mesh = make_mesh((2, 4), kind)
+  tx = STAGES[stage](optax.sgd(0.1), mesh=mesh, min_shard_size=256)
+  with jax.set_mesh(mesh):
+    params = tx.shard(placed(mesh))
+  batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+  loss = pipelined_loss(schedule)
+  value, grads = jax.jit(jax.value_and_grad(lambda p, *b: loss(tx.unpad(p), *b)))(params, *batch)
+  assert_matches_one_device(value, grads)

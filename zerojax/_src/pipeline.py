@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax._src import pipeline_stage
@@ -390,6 +390,8 @@ def _placed(config: Config, weights, loss_params, x, targets) -> tuple[Any, ...]
 
   The stage parameters are placed on the stage axis along their leading
   dimension, the rest replicated over it; other axes keep their placement.
+  The placement names the mesh, so that it holds without ``jax.set_mesh``
+  (a drop-in step on arrays placed with ``NamedSharding``).
   """
   mesh, axis = config.mesh, config.axis_name
   if mesh.axis_types[mesh.axis_names.index(axis)] != AxisType.Explicit:
@@ -400,7 +402,7 @@ def _placed(config: Config, weights, loss_params, x, targets) -> tuple[Any, ...]
     entries = entries[: leaf.ndim]
     if staged:
       entries[0] = axis if entries[0] is None else (axis, *_names(entries[0]))
-    return jax.sharding.reshard(leaf, P(*entries))
+    return jax.sharding.reshard(leaf, NamedSharding(mesh, P(*entries)))
 
   return (
     jax.tree.map(lambda a: place(a, True), weights),
