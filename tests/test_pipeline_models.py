@@ -62,21 +62,21 @@ def flat_loss(params, x, labels):
   return head_loss(params["head"], h, labels)
 
 
-def pipelined_loss(schedule: str, microbatches: int = 2, **options):
+def pipelined_loss(schedule: str, microbatches: int = 2, head=head_loss, **options):
   """The loss through ``zerojax.pipeline``: the head after it (``"gpipe"``) or inside it."""
 
   def loss(params, x, labels):
     h = x @ zerojax.gather(params["embed"])
     if schedule == "gpipe":
       h = zerojax.pipeline(stage_fn, params["layers"], h, microbatches=microbatches, **options)
-      return head_loss(params["head"], h, labels)
+      return head(params["head"], h, labels)
     return zerojax.pipeline(
       stage_fn,
       params["layers"],
       h,
       microbatches=microbatches,
       schedule=schedule,
-      loss_fn=head_loss,
+      loss_fn=head,
       loss_params=params["head"],
       targets=(labels,),
       **options,
@@ -234,3 +234,26 @@ def test_drop_in_path_runs_without_a_mesh_in_context(kind, stage, schedule):
   loss = pipelined_loss(schedule)
   value, grads = jax.jit(jax.value_and_grad(lambda p, *b: loss(tx.unpad(p), *b)))(params, *batch)
   assert_matches_one_device(value, grads)
+
+
+@pytest.mark.parametrize(
+  "kind, stage, schedule, jit, microbatches",
+  [
+    (EXPLICIT, 2, "1f1b", True, 2),
+    (EXPLICIT, 3, "gpipe", True, 2),
+    (AUTO, 2, "1f1b", False, 1),
+    (EXPLICIT, 3, "gpipe", False, 2),
+  ],
+)
+def test_value_and_grad_accumulates_and_runs_outside_jit(kind, stage, schedule, jit, microbatches):
+  # value_and_grad's own micro-batches around the pipeline's, and value_and_grad called
+  # op by op (outside jax.jit), where its shard_map runs eagerly around the pipeline's.
+  mesh = make_mesh((2, 4), kind)
+  tx = STAGES[stage](optax.sgd(0.1), mesh=mesh, min_shard_size=256)
+  grad_fn = zerojax.value_and_grad(pipelined_loss(schedule), tx, microbatches=microbatches)
+  with jax.set_mesh(mesh):
+    params = tx.shard(placed(mesh))
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+    loss, grads = (jax.jit(grad_fn) if jit else grad_fn)(params, *batch)
+    grads = tx.gather(grads)
+  assert_matches_one_device(loss, grads)

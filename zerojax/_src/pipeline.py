@@ -140,8 +140,20 @@ def pipeline(
   _check_stage_params(stage_params, stages, axis_name)
   _check_microbatches(microbatches, x, targets)
   config = Config(stage_fn, loss_fn, axis_name, mesh, schedule, microbatches, reduce)
+  return _run(config, stage_params, loss_params, x, targets)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run(config: Config, stage_params, loss_params, x, targets):
+  """The pipeline, as one program even where its caller runs op by op.
+
+  ``zerojax.value_and_grad`` called outside ``jax.jit`` runs its
+  ``shard_map`` eagerly, and JAX cannot run a ``shard_map`` nested in an
+  eager one (the inner one's arguments arrive with a leading axis of size 1
+  that it maps to the outer axes). Under ``jax.jit`` this is inlined.
+  """
   stage_params, loss_params, x, targets = _placed(config, stage_params, loss_params, x, targets)
-  if loss_fn is None:
+  if config.loss_fn is None:
     return _activations(config, stage_params, x)
   return _loss(config, stage_params, loss_params, x, targets)
 
