@@ -242,6 +242,12 @@ def stage_changes_the_activations_shape(types):
   _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), narrow, microbatches=2)
 
 
+def pipeline_loss_fn_that_sums(types):
+  mesh = _stage_mesh(types)
+  head = lambda _, h: jnp.sum(h**2)  # per micro-batch, summed
+  _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, loss_fn=head)
+
+
 def value_and_grad_under_a_shard_map_over_every_axis(types):
   mesh = _stage_mesh(types)
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
@@ -383,6 +389,9 @@ CASES = {
   ),
   "stage_fn returned float32[4, 8] for a micro-batch of float32[4, 16]": (
     stage_changes_the_activations_shape
+  ),
+  "UserWarning: zerojax.pipeline: loss_fn's loss looks like a sum over its micro-batch": (
+    pipeline_loss_fn_that_sums
   ),
   "zerojax.value_and_grad was called where the mesh axes ['data'] are already manual": (
     value_and_grad_under_a_shard_map_over_every_axis

@@ -257,3 +257,20 @@ def test_value_and_grad_accumulates_and_runs_outside_jit(kind, stage, schedule, 
     loss, grads = (jax.jit(grad_fn) if jit else grad_fn)(params, *batch)
     grads = tx.gather(grads)
   assert_matches_one_device(loss, grads)
+
+
+@pytest.mark.parametrize("shape, kind", [((2, 4), EXPLICIT), ((2, 2, 2), AUTO)])
+def test_a_loss_fn_that_sums_is_warned_about(shape, kind):
+  # Its loss and gradients would come out 1/(micro-batches x data devices) of the true ones.
+  def summed(head, h, labels):
+    logits = h @ zerojax.gather(head)
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+
+  mesh = make_mesh(shape, kind)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=256)
+  grad_fn = zerojax.value_and_grad(pipelined_loss("1f1b", head=summed), tx)
+  with jax.set_mesh(mesh):
+    params = tx.shard(placed(mesh))
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+    with pytest.warns(UserWarning, match="zerojax.pipeline: loss_fn's loss looks like a sum"):
+      jax.eval_shape(grad_fn, params, *batch)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +48,7 @@ from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax._src import pipeline_stage
+from zerojax._src import batch_mean, pipeline_stage
 from zerojax._src.pipeline_schedule import check_schedule
 from zerojax._src.pipeline_stage import Config, is_shard, reduces_once
 
@@ -140,7 +141,31 @@ def pipeline(
   _check_stage_params(stage_params, stages, axis_name)
   _check_microbatches(microbatches, x, targets)
   config = Config(stage_fn, loss_fn, axis_name, mesh, schedule, microbatches, reduce)
+  if loss_fn is not None:
+    _warn_if_summed(loss_fn, loss_params, x, targets, microbatches)
   return _run(config, stage_params, loss_params, x, targets)
+
+
+def _warn_if_summed(loss_fn, loss_params, x, targets, microbatches: int) -> None:
+  """Warns if ``loss_fn`` sums over its micro-batch, which the mean over micro-batches shrinks.
+
+  It is traced, not run, on one micro-batch's types (a stage's output has its
+  input's), by ``batch_mean.looks_summed`` as ``zerojax.value_and_grad``
+  checks its own loss.
+  """
+  batch = (batch_mean.resized(x, 1, microbatches), *batch_mean.resized(targets, 1, microbatches))
+  if not batch_mean.looks_summed(loss_fn, batch, params=(loss_params,)):
+    return
+  warnings.warn(
+    "zerojax.pipeline: loss_fn's loss looks like a sum over its micro-batch, not a mean (no "
+    "constant in it changes with the micro-batch size, as jnp.mean's divisor does, and it "
+    "divides by nothing computed from the batch). The pipeline returns the mean of the "
+    f"{microbatches} micro-batches' losses (and zerojax.value_and_grad the mean over the data "
+    f"devices), so a sum comes out 1/{microbatches} (times 1/data devices) of the loss on the "
+    "whole batch, and so do the gradients. Average over the micro-batch (jnp.mean), or "
+    "multiply a sum you mean by the number of micro-batches (and data devices).",
+    stacklevel=3,
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0)
