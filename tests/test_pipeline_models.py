@@ -274,3 +274,37 @@ def test_a_loss_fn_that_sums_is_warned_about(shape, kind):
     batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
     with pytest.warns(UserWarning, match="zerojax.pipeline: loss_fn's loss looks like a sum"):
       jax.eval_shape(grad_fn, params, *batch)
+
+
+@pytest.mark.parametrize("shape, kind", [((2, 4), EXPLICIT), ((2, 2, 2), AUTO)])
+def test_per_stage_code_runs_in_stage_fn_under_value_and_grad(shape, kind):
+  # docs/pipeline.md: code that must run per stage goes in stage_fn, which runs manual over the
+  # stage axis (a shard_map of one's own does not lower inside value_and_grad). Here stage s
+  # scales its output by 1 + s / 2.
+  def per_stage(layers, h):
+    return stage_fn(layers, h) * (1 + jax.lax.axis_index("stage") / 2)
+
+  def flat(params, x, labels):
+    h = x @ params["embed"]
+    for s in range(2):
+      block = jax.tree.map(lambda a, s=s: a[2 * s : 2 * s + 2], params["layers"])
+      h = stage_fn(block, h) * (1 + s / 2)
+    return head_loss(params["head"], h, labels)
+
+  def loss(params, x, labels):
+    h = zerojax.pipeline(
+      per_stage, params["layers"], x @ zerojax.gather(params["embed"]), microbatches=2
+    )
+    return head_loss(params["head"], h, labels)
+
+  mesh = make_mesh(shape, kind)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=256)
+  with jax.set_mesh(mesh):
+    params = tx.shard(placed(mesh))
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+    value, grads = jax.jit(zerojax.value_and_grad(loss, tx))(params, *batch)
+    grads = unstaged(tx.gather(grads))
+  one = jax.device_put((make_params(), make_batch()), jax.devices()[0])
+  want_value, want = jax.jit(jax.value_and_grad(flat))(one[0], *one[1])
+  assert float(value) == pytest.approx(float(want_value), rel=1e-5)
+  chex.assert_trees_all_close(grads, want, **ROUNDING)
