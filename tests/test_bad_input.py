@@ -248,6 +248,17 @@ def pipeline_loss_fn_that_sums(types):
   _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, loss_fn=head)
 
 
+def pipeline_stage_fn_closing_over_a_key(types):
+  # Explicit axes whatever ``types``: on Auto axes JAX lets a shard_map close over it.
+  mesh = _stage_mesh(AxisType.Explicit)
+  dropout = lambda key: lambda w, h: _stage(w, h) * jax.random.bernoulli(key, 0.5, h.shape)
+  with jax.set_mesh(mesh):
+    w, x = _staged(mesh), jnp.ones((8, 16))
+    jax.jit(lambda w, x, key: zerojax.pipeline(dropout(key), w, x, microbatches=2))(
+      w, x, jax.random.key(0)
+    )
+
+
 def value_and_grad_under_a_shard_map_over_every_axis(types):
   mesh = _stage_mesh(types)
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
@@ -392,6 +403,9 @@ CASES = {
   ),
   "UserWarning: zerojax.pipeline: loss_fn's loss looks like a sum over its micro-batch": (
     pipeline_loss_fn_that_sums
+  ),
+  "zerojax.pipeline: stage_fn or loss_fn closes over an array from outside the pipeline": (
+    pipeline_stage_fn_closing_over_a_key
   ),
   "zerojax.value_and_grad was called where the mesh axes ['data'] are already manual": (
     value_and_grad_under_a_shard_map_over_every_axis

@@ -10,6 +10,7 @@ one device: wrapping changes memory, never numbers.
 import functools
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+import zerojax.flax
 from tests.helpers import ROUNDING, STAGES
 
 LAYERS, WIDTH, CLASSES, BATCH = 4, 48, 11, 16
@@ -306,5 +308,244 @@ def test_per_stage_code_runs_in_stage_fn_under_value_and_grad(shape, kind):
     grads = unstaged(tx.gather(grads))
   one = jax.device_put((make_params(), make_batch()), jax.devices()[0])
   want_value, want = jax.jit(jax.value_and_grad(flat))(one[0], *one[1])
+  assert float(value) == pytest.approx(float(want_value), rel=1e-5)
+  chex.assert_trees_all_close(grads, want, **ROUNDING)
+
+
+KEEP = 0.75  # dropout's keep probability
+
+
+def dropout_stage(layers, h, key):
+  """A stage whose layers drop a quarter of each layer's update, layer ``i`` with key ``i``."""
+
+  def body(h, inputs):
+    w, i = inputs
+    keep = jax.random.bernoulli(jax.random.fold_in(key, i), KEEP, h.shape)
+    return h + jnp.where(keep, jax.nn.silu(h @ w["w"] + w["b"]), 0.0) / KEEP, None
+
+  return zerojax.scan(body, h, (layers, jnp.arange(LAYERS // 2)))[0]
+
+
+def dropout_reference(params, x, labels, key, slices: int, microbatches: int):
+  """The mean loss over ``slices`` devices' rows and their micro-batches, one at a time.
+
+  Micro-batch ``m`` of a device's slice is its rows ``i % microbatches == m``, and stage ``s``
+  draws with ``fold_in(fold_in(key, m), s)``, as ``zerojax.pipeline`` says.
+  """
+  losses = []
+  for rows in jnp.split(jnp.arange(x.shape[0]), slices):
+    for m in range(microbatches):
+      h = x[rows[m::microbatches]] @ params["embed"]
+      for s in range(2):
+        block = jax.tree.map(lambda a, s=s: a[2 * s : 2 * s + 2], params["layers"])
+        h = dropout_stage(block, h, jax.random.fold_in(jax.random.fold_in(key, m), s))
+      losses.append(head_loss(params["head"], h, labels[rows[m::microbatches]]))
+  return jnp.mean(jnp.stack(losses))
+
+
+@pytest.mark.parametrize(
+  "shape, kind, stage, schedule",
+  [((2, 4), EXPLICIT, 3, "1f1b"), ((2, 2, 2), AUTO, 3, "gpipe"), ((2, 2, 2), AUTO, 2, "1f1b")],
+)
+def test_dropout_inside_the_stages_draws_per_micro_batch_and_stage(shape, kind, stage, schedule):
+  # The key is an argument of the jitted step, closed over by the loss: each micro-batch and
+  # stage draws its own masks, the same in the backward pass as in the forward pass.
+  mesh = make_mesh(shape, kind)
+  tx = STAGES[stage](optax.sgd(0.1), mesh=mesh, min_shard_size=256)
+  options = dict(microbatches=2, schedule=schedule)
+
+  def step(params, x, labels, key):
+    def loss(params, x, labels):
+      h = x @ zerojax.gather(params["embed"])
+      if schedule == "gpipe":
+        h = zerojax.pipeline(dropout_stage, params["layers"], h, key=key, **options)
+        return head_loss(params["head"], h, labels)
+      return zerojax.pipeline(
+        dropout_stage,
+        params["layers"],
+        h,
+        loss_fn=head_loss,
+        loss_params=params["head"],
+        targets=(labels,),
+        key=key,
+        **options,
+      )
+
+    return zerojax.value_and_grad(loss, tx)(params, x, labels)
+
+  key = jax.random.key(7)
+  with jax.set_mesh(mesh):
+    params = tx.shard(placed(mesh))
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+    value, grads = jax.jit(step)(params, *batch, key)
+    grads = unstaged(tx.gather(grads))
+  one = jax.device_put((make_params(), make_batch(), key), jax.devices()[0])
+  reference = functools.partial(dropout_reference, slices=mesh.shape["data"], microbatches=2)
+  want_value, want = jax.jit(jax.value_and_grad(reference))(one[0], *one[1], one[2])
+  assert float(value) == pytest.approx(float(want_value), rel=1e-5)
+  chex.assert_trees_all_close(grads, want, **ROUNDING)
+  assert float(value) != pytest.approx(float(expected()[0]), rel=1e-3)  # the masks drop
+
+
+def row_dropout_layers(layers, h, first=0):
+  """Dropout with a key per row, carried in the activations (uint32): layer ``first + i``
+  folds ``first + i`` into each row's key."""
+
+  def body(h, inputs):
+    w, i = inputs
+    draw = lambda key: jax.random.bernoulli(jax.random.fold_in(key, i), KEEP, (WIDTH,))
+    keep = jax.vmap(draw)(h["keys"])
+    update = jnp.where(keep, jax.nn.silu(h["h"] @ w["w"] + w["b"]), 0.0) / KEEP
+    return {"h": h["h"] + update, "keys": h["keys"]}, None
+
+  count = jax.tree.leaves(layers)[0].shape[0]
+  return zerojax.scan(body, h, (layers, first + jnp.arange(count)))[0]
+
+
+def row_dropout_stage(layers, h):
+  return row_dropout_layers(layers, h, jax.lax.axis_index("stage") * (LAYERS // 2))
+
+
+def row_dropout_loss(schedule: str, pipelined: bool = True):
+  """The loss of the row-dropout model, through the pipeline or scanned on one device."""
+  head = lambda head, h, labels: head_loss(head, h["h"], labels)
+
+  def loss(params, x, labels, keys):
+    h = {"h": x @ zerojax.gather(params["embed"]), "keys": keys}
+    if not pipelined:
+      return head(params["head"], row_dropout_layers(params["layers"], h), labels)
+    options = dict(microbatches=2, schedule=schedule)
+    if schedule == "gpipe":
+      h = zerojax.pipeline(row_dropout_stage, params["layers"], h, **options)
+      return head(params["head"], h, labels)
+    return zerojax.pipeline(
+      row_dropout_stage,
+      params["layers"],
+      h,
+      loss_fn=head,
+      loss_params=params["head"],
+      targets=(labels,),
+      **options,
+    )
+
+  return loss
+
+
+@pytest.mark.parametrize(
+  "shape, kind, stage, schedule, path",
+  [
+    ((2, 4), EXPLICIT, 2, "1f1b", "explicit"),
+    ((2, 2, 2), AUTO, 3, "gpipe", "explicit"),
+    ((2, 4), EXPLICIT, 1, "gpipe", "drop-in"),
+  ],
+)
+def test_keys_carried_in_the_activations_pass_from_stage_to_stage(
+  shape, kind, stage, schedule, path
+):
+  # One raw uint32 key per row beside the activations: the masks follow the rows, so the
+  # pipeline computes the scanned model's loss exactly; only the float leaves are
+  # differentiated.
+  keys = jax.random.key_data(jax.random.split(jax.random.key(5), BATCH))
+  mesh = make_mesh(shape, kind)
+  tx = STAGES[stage](optax.sgd(0.1), mesh=mesh, min_shard_size=256)
+  loss = row_dropout_loss(schedule)
+  with jax.set_mesh(mesh):
+    params = tx.shard(placed(mesh))
+    batch = jax.device_put((*make_batch(), keys), NamedSharding(mesh, P("data")))
+    if path == "explicit":
+      value, grads = jax.jit(zerojax.value_and_grad(loss, tx))(params, *batch)
+      grads = tx.gather(grads)
+    else:
+      drop_in = jax.value_and_grad(lambda p, *b: loss(tx.unpad(p), *b))
+      value, grads = jax.jit(drop_in)(params, *batch)
+  one = jax.device_put((make_params(), (*make_batch(), keys)), jax.devices()[0])
+  want_value, want = jax.jit(jax.value_and_grad(row_dropout_loss(schedule, False)))(one[0], *one[1])
+  assert float(value) == pytest.approx(float(want_value), rel=1e-5)
+  chex.assert_trees_all_close(unstaged(grads), want, **ROUNDING)
+
+
+class _DropoutBlock(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    update = nn.Dropout(1 - KEEP, deterministic=False)(jax.nn.silu(nn.Dense(WIDTH)(h)))
+    return h + update, None
+
+
+class _ReferenceLayers(zerojax.flax.scan(_DropoutBlock, length=LAYERS)):
+  """The stack on one device, drawing as ``zerojax.flax.pipeline`` does on ``slices`` devices.
+
+  Its one key is ``make_rng("dropout")`` of a module at the pipeline's path, so the same key;
+  layer ``i`` of stage ``s`` runs micro-batch ``m`` with it folded with ``m``, ``s``, ``i``.
+  """
+
+  slices: int = 1
+
+  def __call__(self, h, xs=None):
+    if self.is_initializing():
+      return super().__call__(h, xs)
+    key, params, out = self.make_rng("dropout"), self.variables["params"], h
+    block = _DropoutBlock(parent=None)
+    for rows in jnp.split(jnp.arange(h.shape[0]), self.slices):
+      for m in range(2):
+        hm = h[rows[m::2]]
+        for layer in range(LAYERS):
+          s, i = divmod(layer, LAYERS // 2)
+          k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, m), s), i)
+          p = jax.tree.map(lambda a, layer=layer: a[layer], params)
+          hm = block.apply({"params": p}, hm, None, rngs={"dropout": k})[0]
+        out = out.at[rows[m::2]].set(hm)
+    return out, None
+
+
+class _Kernel(nn.Module):
+  @nn.compact
+  def __call__(self):
+    return self.param("kernel", nn.initializers.lecun_normal(), (WIDTH, CLASSES))
+
+
+class _DropoutModel(nn.Module):
+  schedule: str
+  slices: int = 0  # 0: pipelined; else the reference for that many data devices
+
+  @nn.compact
+  def __call__(self, x, labels):
+    h = zerojax.flax.gathered(nn.Dense)(WIDTH, name="embed")(x)
+    kernel = zerojax.flax.gathered(_Kernel)(name="head")()
+    loss_fn = lambda kernel, h, labels: jnp.mean(
+      optax.softmax_cross_entropy_with_integer_labels(h @ kernel, labels)
+    )
+    if self.slices:
+      return loss_fn(kernel, _ReferenceLayers(slices=self.slices, name="layers")(h)[0], labels)
+    layers = zerojax.flax.pipeline(
+      _DropoutBlock, length=LAYERS, microbatches=2, schedule=self.schedule
+    )(name="layers")
+    if self.schedule == "gpipe":
+      return loss_fn(kernel, layers(h), labels)
+    return layers(h, loss_fn=loss_fn, loss_params=kernel, targets=(labels,))
+
+
+@pytest.mark.parametrize(
+  "shape, kind, stage, schedule", [((2, 4), EXPLICIT, 3, "1f1b"), ((2, 2, 2), AUTO, 2, "gpipe")]
+)
+def test_linen_pipeline_hands_the_rngs_of_apply_to_its_blocks(shape, kind, stage, schedule):
+  x, labels = make_batch()
+  rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+  params = _DropoutModel(schedule).init(rngs, x, labels)["params"]
+  mesh = make_mesh(shape, kind)
+  apply = lambda params, x, labels, slices=0: _DropoutModel(schedule, slices).apply(
+    {"params": params}, x, labels, rngs={"dropout": jax.random.key(2)}
+  )
+  want_value, want = jax.jit(jax.value_and_grad(apply), static_argnums=3)(
+    params, x, labels, mesh.shape["data"]
+  )
+  tx = STAGES[stage](optax.sgd(0.1), mesh=mesh, min_shard_size=256)
+  on_stages = lambda path, a: jax.device_put(
+    a, NamedSharding(mesh, P("stage") if path[0].key == "layers" else P())
+  )
+  with jax.set_mesh(mesh):
+    stored = tx.shard(jax.tree_util.tree_map_with_path(on_stages, params))
+    batch = jax.device_put((x, labels), NamedSharding(mesh, P("data")))
+    value, grads = jax.jit(zerojax.value_and_grad(apply, tx))(stored, *batch)
+    grads = tx.gather(grads)
   assert float(value) == pytest.approx(float(want_value), rel=1e-5)
   chex.assert_trees_all_close(grads, want, **ROUNDING)

@@ -50,11 +50,11 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._src import batch_mean, pipeline_stage
 from zerojax._src.pipeline_schedule import check_schedule
-from zerojax._src.pipeline_stage import Config, is_shard, reduces_once
+from zerojax._src.pipeline_stage import Config, Parts, is_shard, reduces_once
 
 
 def pipeline(
-  stage_fn: Callable[[Any, Any], Any],
+  stage_fn: Callable[..., Any],
   stage_params: Any,
   x: Any,
   *,
@@ -65,6 +65,7 @@ def pipeline(
   targets: tuple[Any, ...] = (),
   axis_name: str = "stage",
   reduce: str | None = None,
+  key: Any = None,
 ) -> Any:
   """Runs ``stage_fn`` as a pipeline over the ``axis_name`` mesh axis, micro-batch by micro-batch.
 
@@ -88,8 +89,19 @@ def pipeline(
   micro-batch (``targets`` split like ``x``) and the pipeline returns the mean
   over micro-batches; this is what ``"1f1b"`` needs.
 
+  Randomness inside the stages (dropout) comes from ``key``: ``stage_fn`` is
+  then called as ``stage_fn(params, h, key)``, with ``key`` (a PRNG key, or a
+  pytree of them) folded with the micro-batch ``m`` and then the stage ``s``:
+  ``jax.random.fold_in(jax.random.fold_in(key, m), s)``, the same in the
+  forward pass and the backward pass. Inside ``zerojax.value_and_grad`` every
+  data device gets the same key unless it differs per device (fold in
+  ``jax.lax.axis_index("data")``, or pass one key per device as a batch
+  argument). The activations may also carry integer leaves (keys, positions)
+  from stage to stage: only their inexact leaves are differentiated.
+
   Args:
-    stage_fn: one stage's computation, ``stage_fn(params, h) -> h``.
+    stage_fn: one stage's computation, ``stage_fn(params, h) -> h``, or
+      ``stage_fn(params, h, key) -> h`` with ``key``.
     stage_params: a pytree of arrays (or ``zerojax.Shard`` s) with a leading
       stage axis.
     x: the first stage's input: a pytree of arrays whose leading axis divides
@@ -107,6 +119,8 @@ def pipeline(
       ``None`` for the stage's default: once per step at stage 2, where it
       holds a stage's whole gradient as stage 1 does; per micro-batch at stage
       3, which would otherwise hold the stage's gathered weights as well.
+    key: a PRNG key (or a pytree of them) for randomness inside the stages,
+      handed to ``stage_fn`` folded with the micro-batch and the stage.
 
   Returns:
     The last stage's output for ``x``, or the mean loss with ``loss_fn``.
@@ -140,10 +154,27 @@ def pipeline(
   stages = mesh.shape[axis_name]
   _check_stage_params(stage_params, stages, axis_name)
   _check_microbatches(microbatches, x, targets)
-  config = Config(stage_fn, loss_fn, axis_name, mesh, schedule, microbatches, reduce)
+  config = Config(stage_fn, loss_fn, axis_name, mesh, schedule, microbatches, reduce, Parts.of(x))
   if loss_fn is not None:
     _warn_if_summed(loss_fn, loss_params, x, targets, microbatches)
-  return _run(config, stage_params, loss_params, x, targets)
+  try:
+    return _run(config, stage_params, loss_params, x, targets, key)
+  except (NotImplementedError, ValueError) as error:
+    if not any(sign in str(error) for sign in _CLOSED_OVER):
+      raise
+    raise ValueError(
+      "zerojax.pipeline: stage_fn or loss_fn closes over an array from outside the pipeline "
+      "(a random key, say), which JAX cannot hand to the stages' shard_map on Explicit axes "
+      f"({str(error).splitlines()[0]}). Pass random keys with key=... (stage_fn then "
+      "receives each micro-batch's and stage's own as a third argument), arrays the stages "
+      "read in stage_params, and the head's in loss_params."
+    ) from error
+
+
+#: What JAX says when a function inside a ``shard_map`` closes over an array typed on
+#: Explicit axes: the ``shard_map`` refuses it, or the first operation on it finds that its
+#: mesh is not the one inside (where the stage axis is manual).
+_CLOSED_OVER = ("Closing over inputs to shard_map", "should match the aval mesh")
 
 
 def _warn_if_summed(loss_fn, loss_params, x, targets, microbatches: int) -> None:
@@ -169,7 +200,7 @@ def _warn_if_summed(loss_fn, loss_params, x, targets, microbatches: int) -> None
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _run(config: Config, stage_params, loss_params, x, targets):
+def _run(config: Config, stage_params, loss_params, x, targets, key):
   """The pipeline, as one program even where its caller runs op by op.
 
   ``zerojax.value_and_grad`` called outside ``jax.jit`` runs its
@@ -177,10 +208,12 @@ def _run(config: Config, stage_params, loss_params, x, targets):
   eager one (the inner one's arguments arrive with a leading axis of size 1
   that it maps to the outer axes). Under ``jax.jit`` this is inlined.
   """
-  stage_params, loss_params, x, targets = _placed(config, stage_params, loss_params, x, targets)
+  stage_params, loss_params, x, targets, key = _placed(
+    config, stage_params, loss_params, x, targets, key
+  )
   if config.loss_fn is None:
-    return _activations(config, stage_params, x)
-  return _loss(config, stage_params, loss_params, x, targets)
+    return _activations(config, stage_params, x, key)
+  return _loss(config, stage_params, loss_params, x, targets, key)
 
 
 def _kind(x: Any) -> str:
@@ -302,12 +335,12 @@ def _check_microbatches(microbatches: Any, x: Any, targets: tuple[Any, ...]) -> 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loss(config: Config, weights, loss_params, x, targets):
-  return _fused(config, weights, loss_params, x, targets)[0]
+def _loss(config: Config, weights, loss_params, x, targets, key):
+  return _fused(config, weights, loss_params, x, targets, key)[0]
 
 
-def _loss_forward(config, weights, loss_params, x, targets):
-  loss, grads = _fused(config, weights, loss_params, x, targets)
+def _loss_forward(config, weights, loss_params, x, targets, key):
+  loss, grads = _fused(config, weights, loss_params, x, targets, key)
   return loss, (grads, _types((weights, loss_params, x)))
 
 
@@ -315,26 +348,28 @@ def _loss_backward(config, residuals, cotangent):
   # The pipeline ran the backward pass with a cotangent of 1 for the loss: the
   # gradients scale with the cotangent that arrives (1, or a loss scale).
   grads, types = residuals
-  scaled = jax.tree.map(lambda g: (g * cotangent.astype(g.dtype)).astype(g.dtype), grads)
-  return (*_matched(scaled, types), None)
+  gw, gl, dx = jax.tree.map(lambda g: (g * cotangent.astype(g.dtype)).astype(g.dtype), grads)
+  return (*_matched((gw, gl, config.parts.cotangent(dx)), types), None, None)
 
 
 _loss.defvjp(_loss_forward, _loss_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _activations(config: Config, weights, x):
-  return _forward_only(config, weights, x)[0]
+def _activations(config: Config, weights, x, key):
+  return _forward_only(config, weights, x, key)[0]
 
 
-def _activations_forward(config, weights, x):
-  y, saved = _forward_only(config, weights, x)
+def _activations_forward(config, weights, x, key):
+  y, saved = _forward_only(config, weights, x, key)
   return y, (saved, weights, x, _types((weights, x)))
 
 
 def _activations_backward(config, residuals, dy):
+  # Only the inexact leaves of the activations carry a cotangent (the rest: float0).
   saved, weights, x, types = residuals
-  return _matched(_backward_only(config, saved, weights, x, dy), types)
+  gw, dx = _backward_only(config, saved, weights, x, config.parts.diff(dy))
+  return (*_matched((gw, config.parts.cotangent(dx)), types), None)
 
 
 _activations.defvjp(_activations_forward, _activations_backward)
@@ -347,19 +382,19 @@ def _shard_map(config: Config, program: Callable[..., Any], in_specs: Any, out_s
   )
 
 
-def _fused(config: Config, weights, loss_params, x, targets):
+def _fused(config: Config, weights, loss_params, x, targets, key):
   staged = P(config.axis_name)
   program = functools.partial(pipeline_stage.fused_program, config)
-  return _shard_map(config, program, (staged, P(), P(), P()), (P(), (staged, P(), P())))(
-    weights, loss_params, x, targets
+  return _shard_map(config, program, (staged, P(), P(), P(), P()), (P(), (staged, P(), P())))(
+    weights, loss_params, x, targets, key
   )
 
 
-def _forward_only(config: Config, weights, x):
+def _forward_only(config: Config, weights, x, key):
   found: list[Any] = []
   staged = P(config.axis_name)
   program = functools.partial(pipeline_stage.forward_program, config, found)
-  y, stored = _shard_map(config, program, (staged, P()), (P(), staged))(weights, x)
+  y, stored = _shard_map(config, program, (staged, P(), P()), (P(), staged))(weights, x, key)
   return y, _Saved(stored, *found[0])
 
 
@@ -422,7 +457,7 @@ def _matched(cotangents: Any, types: _Types) -> Any:
   return jax.tree.map(match, cotangents, types.tree, is_leaf=lambda x: x is None)
 
 
-def _placed(config: Config, weights, loss_params, x, targets) -> tuple[Any, ...]:
+def _placed(config: Config, weights, loss_params, x, targets, key) -> tuple[Any, ...]:
   """The arguments typed as the stage ``shard_map`` takes them (explicit stage axes only).
 
   The stage parameters are placed on the stage axis along their leading
@@ -432,7 +467,7 @@ def _placed(config: Config, weights, loss_params, x, targets) -> tuple[Any, ...]
   """
   mesh, axis = config.mesh, config.axis_name
   if mesh.axis_types[mesh.axis_names.index(axis)] != AxisType.Explicit:
-    return weights, loss_params, x, targets
+    return weights, loss_params, x, targets, key
 
   def place(leaf, staged):
     entries = [_without(e, axis) for e in (*jax.typeof(leaf).sharding.spec, *[None] * leaf.ndim)]
@@ -443,7 +478,7 @@ def _placed(config: Config, weights, loss_params, x, targets) -> tuple[Any, ...]
 
   return (
     jax.tree.map(lambda a: place(a, True), weights),
-    *(jax.tree.map(lambda a: place(a, False), tree) for tree in (loss_params, x, targets)),
+    *(jax.tree.map(lambda a: place(a, False), tree) for tree in (loss_params, x, targets, key)),
   )
 
 

@@ -61,13 +61,14 @@ def reduces_once(reduce: str | None, splits_params: bool) -> bool:
 class Config(NamedTuple):
   """What one pipeline is, as static (hashable) facts."""
 
-  stage_fn: Callable[[Any, Any], Any]
+  stage_fn: Callable[..., Any]
   loss_fn: Callable[..., jax.Array] | None
   axis_name: str
   mesh: Any
   schedule: str
   microbatches: int
   reduce: str | None
+  parts: Parts
 
   @property
   def stages(self) -> int:
@@ -92,8 +93,10 @@ class Stage:
   left as given, except for opened weights (see ``opened``).
   """
 
-  def __init__(self, config: Config, weights: Any, loss_params: Any = None):
+  def __init__(self, config: Config, weights: Any, loss_params: Any = None, key: Any = None):
     self.config = config
+    self.parts = config.parts
+    self.key = key
     self.axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
     self.index = jax.lax.axis_index(config.axis_name)
     self.first = self.index == 0
@@ -107,6 +110,17 @@ class Stage:
     varying = jax.typeof(x).manual_axis_type.varying
     missing = tuple(a for a in (self.config.axis_name, *axes) if a not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  def call(self, params: Any, h: Any, m: Any) -> Any:
+    """``stage_fn`` on micro-batch ``m``: with its key, if the pipeline was given one."""
+    if self.key is None:
+      return self.config.stage_fn(params, h)
+    return self.config.stage_fn(params, h, self.key_for(m))
+
+  def key_for(self, m: Any) -> Any:
+    """The key of micro-batch ``m`` on this stage: ``key`` folded with ``m``, then the stage."""
+    fold = lambda k: jax.random.fold_in(jax.random.fold_in(k, m), self.index)
+    return jax.tree.map(fold, self.key)
 
   def opened(self, x: jax.Array) -> jax.Array:
     """An opened (gathered or read) weight, typed as each device's own over every manual axis.
@@ -311,11 +325,54 @@ def _known(consts) -> list[Any]:
   return jax.tree.leaves((consts["wd"], consts["wf"], consts["ld"], consts["lf"]))
 
 
-def _forward(stage: Stage, consts, h) -> tuple[Any, Residuals]:
-  """One micro-batch through the stage: its output and its VJP."""
-  wf = consts["wf"]
-  apply = lambda diff, h: stage.config.stage_fn(stage.weights.join(diff, wf), h)
-  h_out, pullback = jax.vjp(apply, consts["wd"], h)
+class Parts(NamedTuple):
+  """Which leaves of the activations are differentiated: the inexact ones.
+
+  Integer leaves (random keys, positions, masks carried from stage to stage)
+  move with the activations but take no cotangent.
+  """
+
+  treedef: Any
+  inexact: tuple[bool, ...]
+
+  @classmethod
+  def of(cls, tree: Any) -> Parts:
+    leaves, treedef = jax.tree.flatten(tree)
+    return cls(treedef, tuple(_inexact(leaf) for leaf in leaves))
+
+  def diff(self, tree: Any) -> list[Any]:
+    """The inexact leaves of ``tree`` (a tree of the activations' form), in order."""
+    leaves = self.treedef.flatten_up_to(tree)
+    return [leaf for leaf, d in zip(leaves, self.inexact, strict=True) if d]
+
+  def join(self, diff: list[Any], tree: Any) -> Any:
+    """``tree`` with its inexact leaves replaced by ``diff``."""
+    parts = iter(diff)
+    leaves = self.treedef.flatten_up_to(tree)
+    return self.treedef.unflatten(
+      [next(parts) if d else leaf for leaf, d in zip(leaves, self.inexact, strict=True)]
+    )
+
+  def cotangent(self, diff: list[Any]) -> Any:
+    """The cotangent of a tree of the activations' form: ``diff``, ``None`` for the rest."""
+    parts = iter(diff)
+    return self.treedef.unflatten([next(parts) if d else None for d in self.inexact])
+
+
+def _inexact(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _forward(stage: Stage, consts, h, m) -> tuple[Any, Residuals]:
+  """Micro-batch ``m`` through the stage: its output and its VJP (of the inexact leaves)."""
+  wf, parts = consts["wf"], stage.parts
+
+  def apply(diff, hd):
+    out = stage.call(stage.weights.join(diff, wf), parts.join(hd, h), m)
+    return parts.diff(out), out
+
+  _, pullback, h_out = jax.vjp(apply, consts["wd"], parts.diff(h), has_aux=True)
   return h_out, Residuals.of(pullback, _known(consts))
 
 
@@ -334,7 +391,7 @@ class Form(NamedTuple):
 
     def trace(consts):
       h = jax.tree.map(lambda x: x[0], consts["xs"])
-      h_out, residuals = _forward(stage, consts, h)
+      h_out, residuals = _forward(stage, consts, h, 0)
       found.append((residuals.treedef, residuals.where))
       return h_out, residuals.stored
 
@@ -342,8 +399,8 @@ class Form(NamedTuple):
     check_output(output, jax.tree.map(lambda x: x[0], consts["xs"]))
     return cls(output, tuple(stored), *found[0])
 
-  def forward(self, stage: Stage, consts, h) -> tuple[Any, list[jax.Array]]:
-    h_out, residuals = _forward(stage, consts, h)
+  def forward(self, stage: Stage, consts, h, m) -> tuple[Any, list[jax.Array]]:
+    h_out, residuals = _forward(stage, consts, h, m)
     assert residuals.where == self.where, "a stage's VJP changed form between two traces"
     return h_out, residuals.stored
 
@@ -353,8 +410,8 @@ class Form(NamedTuple):
 
 def check_output(output: Any, h: Any) -> None:
   """Raises unless ``stage_fn`` returned activations like those it received."""
-  want = jax.tree.map(lambda a: (tuple(a.shape), np.dtype(a.dtype)), h)
-  got = jax.tree.map(lambda a: (tuple(a.shape), np.dtype(a.dtype)), output)
+  want = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), h)
+  got = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), output)
   if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
     raise ValueError(
       f"stage_fn returned {_shapes(got)} for a micro-batch of {_shapes(want)}: a stage's "
@@ -417,26 +474,28 @@ def _input(stage: Stage, state, consts, m):
   return jax.tree.map(lambda x, a: jnp.where(stage.first, x, a), _at(consts["xs"], m), state["act"])
 
 
-def fused_program(config: Config, weights, loss_params, x, targets):
+def fused_program(config: Config, weights, loss_params, x, targets, key):
   """The whole step on one stage: ``(loss, (weights', loss_params', x's gradients))``.
 
   The last stage computes each micro-batch's loss, and its gradient, in the
   micro-batch's forward slot; backward slots then run as the schedule says.
+  ``x``'s gradients are those of its inexact leaves, in order.
   """
-  stage = Stage(config, weights, loss_params)
+  stage = Stage(config, weights, loss_params, key)
   table = config.timetable(backward=True)
   slots = table.in_flight
   loss_fn = config.loss_fn
   assert loss_fn is not None, "the fused program computes the loss in the last stage"
   consts = stage.consts(x, targets)
   form = Form.of(stage, consts)
+  parts = stage.parts
   state = {
     "act": jax.tree.map(stage.zeros, form.output),
-    "cot": jax.tree.map(stage.zeros, form.output),
+    "cot": [stage.zeros(h) for h in parts.diff(form.output)],
     "stored": [stage.zeros(r, lead=slots) for r in form.stored],
-    "dys": jax.tree.map(lambda h: stage.zeros(h, lead=slots), form.output),
+    "dys": [stage.zeros(h, lead=slots) for h in parts.diff(form.output)],
     "losses": stage.zeros(jax.ShapeDtypeStruct((config.microbatches,), jnp.float32)),
-    "dxs": jax.tree.map(stage.zeros, consts["xs"]),
+    "dxs": [stage.zeros(x) for x in parts.diff(consts["xs"])],
     "gw": stage.weights.accumulators(stage.zeros),
     "gl": stage.loss_params.accumulators(stage.zeros),
   }
@@ -444,17 +503,18 @@ def fused_program(config: Config, weights, loss_params, x, targets):
 
   def forward_slot(state, consts, m):
     state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, m))
+    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, m), m)
     state["sent_act"] = h_out
     state["stored"] = _masked(active, state["stored"], stored, m % slots)
     targets = _at(consts["ts"], m)
 
-    def head(diff, h):  # this micro-batch's share of the mean over micro-batches
+    def head(diff, hd):  # this micro-batch's share of the mean over micro-batches
+      h = parts.join(hd, h_out)
       loss = loss_fn(stage.loss_params.join(diff, consts["lf"]), h, *targets)
       return loss / config.microbatches, loss
 
     (_, loss), (dl, dh) = jax.value_and_grad(head, argnums=(0, 1), has_aux=True)(
-      consts["ld"], h_out
+      consts["ld"], parts.diff(h_out)
     )
     mine = active & stage.last  # every stage computes the loss; the last one's counts
     state["losses"] = _masked(mine, state["losses"], loss.astype(jnp.float32), m)
@@ -472,9 +532,9 @@ def fused_program(config: Config, weights, loss_params, x, targets):
   return loss, (gw, gl, dx)
 
 
-def forward_program(config: Config, found: list[Any], weights, x):
+def forward_program(config: Config, found: list[Any], weights, x, key):
   """GPipe's first half: ``(last stage's output, stored residuals)``; their form to ``found``."""
-  stage = Stage(config, weights)
+  stage = Stage(config, weights, key=key)
   slots = config.microbatches
   consts = stage.consts(x)
   form = Form.of(stage, consts)
@@ -487,7 +547,7 @@ def forward_program(config: Config, found: list[Any], weights, x):
 
   def forward_slot(state, consts, m):
     state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, m))
+    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, m), m)
     state["sent_act"] = h_out
     state["stored"] = _masked(active, state["stored"], stored, m)
     state["ys"] = _masked(active, state["ys"], h_out, m)
@@ -500,7 +560,10 @@ def forward_program(config: Config, found: list[Any], weights, x):
 
 
 def backward_program(config: Config, treedef, where, stored, weights, x, dy):
-  """GPipe's second half: ``(weights' gradient, x's gradient)`` from the stored residuals."""
+  """GPipe's second half: ``(weights' gradient, x's gradient)`` from the stored residuals.
+
+  ``dy`` and ``x``'s gradient are those of the inexact leaves, in order.
+  """
   stage = Stage(config, weights)
   full = config.timetable(backward=True)
   turn = config.microbatches + config.stages - 2  # the tick of the last forward pass
@@ -509,9 +572,9 @@ def backward_program(config: Config, treedef, where, stored, weights, x, dy):
   form = Form(None, (), treedef, where)
   dys = stage.split(dy)
   state = {
-    "cot": jax.tree.map(lambda d: stage.zeros(d[0]), dys),
+    "cot": [stage.zeros(d[0]) for d in dys],
     "stored": [stage.own(r[0]) for r in stored],
-    "dxs": jax.tree.map(stage.zeros, consts["xs"]),
+    "dxs": [stage.zeros(x) for x in stage.parts.diff(consts["xs"])],
     "gw": stage.weights.accumulators(stage.zeros),
   }
   state["sent_cot"] = state["cot"]
@@ -531,7 +594,7 @@ def _backward_slot(stage: Stage, form: Form, saved: Callable[..., Any]) -> Calla
   def backward_slot(state, consts, m):
     state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
     stored, dys = saved(state, m)
-    cotangent = jax.tree.map(lambda d, c: jnp.where(stage.last, d, c), dys, state["cot"])
+    cotangent = [jnp.where(stage.last, d, c) for d, c in zip(dys, state["cot"], strict=True)]
     dw, dh = form.pullback(consts, stored)(cotangent)
     state["gw"] = _added(active, state["gw"], dw)
     state["dxs"] = _masked(active, state["dxs"], dh, m)
