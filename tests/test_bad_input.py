@@ -226,6 +226,30 @@ def one_f_one_b_without_the_loss(types):
   _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, schedule="1f1b")
 
 
+def _interleaved(types, w_shape=(2, 2, 16, 16), rows=8, **options):
+  """The interleaved schedule on ``stage=2 x data=4``, the loss inside the pipeline."""
+  mesh = _stage_mesh(types)
+  options = {"schedule": "interleaved", "microbatches": 2, "virtual_stages": 2, **options}
+  mean = lambda _, h: jnp.mean(h)
+  _pipelined(mesh, _staged(mesh, w_shape), jnp.ones((rows, 16)), loss_fn=mean, **options)
+
+
+def interleaved_without_virtual_stages(types):
+  _interleaved(types, virtual_stages=None)
+
+
+def interleaved_micro_batches_not_in_groups_of_the_stages(types):
+  _interleaved(types, rows=9, microbatches=3)
+
+
+def virtual_stages_without_the_interleaved_schedule(types):
+  _interleaved(types, schedule="1f1b")
+
+
+def interleaved_chunks_that_do_not_divide_a_stage_s_layers(types):
+  _interleaved(types, w_shape=(2, 3, 16, 16))
+
+
 def pipeline_on_a_mesh_without_stages(types):
   mesh = _mesh(types)
   w = jax.device_put(jnp.ones((2, 16, 16)), jax.NamedSharding(mesh, jax.P()))
@@ -390,8 +414,18 @@ CASES = {
   "zerojax.pipeline splits x of shape (6, 16) into 4 micro-batches": (
     indivisible_pipeline_micro_batches
   ),
-  "schedule must be one of ('gpipe', '1f1b'), got '1fb1'; did you mean '1f1b'?": schedule_typo,
+  "schedule must be one of ('gpipe', '1f1b', 'interleaved'), got '1fb1'; did you mean '1f1b'?": (
+    schedule_typo
+  ),
   "the loss must be computed inside the pipeline: pass loss_fn=": one_f_one_b_without_the_loss,
+  "schedule='interleaved' splits each stage's layers into chunks (virtual stages): pass "
+  "virtual_stages=v": interleaved_without_virtual_stages,
+  "schedule='interleaved' runs micro-batches in groups of the 2 stages": (
+    interleaved_micro_batches_not_in_groups_of_the_stages
+  ),
+  "virtual_stages=2 is the interleaved schedule's": virtual_stages_without_the_interleaved_schedule,
+  "the interleaved schedule splits each stage's layers (the second axis) into "
+  "virtual_stages=2 chunks": interleaved_chunks_that_do_not_divide_a_stage_s_layers,
   "mesh has no axis 'stage' (its axes are ('data',)) to run the pipeline stages over": (
     pipeline_on_a_mesh_without_stages
   ),

@@ -29,13 +29,13 @@ EXPLICIT, AUTO = AxisType.Explicit, AxisType.Auto
 TENSOR_PARALLEL = {"w": P(None, None, "model"), "b": P(None, "model")}
 
 
-def make_params() -> dict:
-  """The parameters, the layers stacked ``(LAYERS, ...)`` as one device scans them."""
+def make_params(layers: int = LAYERS) -> dict:
+  """The parameters, the layers stacked ``(layers, ...)`` as one device scans them."""
   rng = np.random.default_rng(3)
   normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[-2]), jnp.float32)
   return {
     "embed": normal(12, WIDTH),
-    "layers": {"w": normal(LAYERS, WIDTH, WIDTH), "b": normal(LAYERS, 1, WIDTH)[:, 0] * 0.1},
+    "layers": {"w": normal(layers, WIDTH, WIDTH), "b": normal(layers, 1, WIDTH)[:, 0] * 0.1},
     "head": normal(WIDTH, CLASSES),
   }
 
@@ -88,9 +88,9 @@ def pipelined_loss(schedule: str, microbatches: int = 2, head=head_loss, **optio
 
 
 @functools.cache
-def expected() -> tuple[float, dict]:
+def expected(layers: int = LAYERS) -> tuple[float, dict]:
   """The loss and gradients of one device, on the whole batch."""
-  params, batch = jax.device_put((make_params(), make_batch()), jax.devices()[0])
+  params, batch = jax.device_put((make_params(layers), make_batch()), jax.devices()[0])
   return jax.jit(jax.value_and_grad(flat_loss))(params, *batch)
 
 
@@ -99,31 +99,48 @@ def make_mesh(shape: tuple[int, ...], kind: AxisType):
   return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
 
 
-def placed(mesh) -> dict:
-  """The parameters on ``mesh``: the layers on ``stage`` (and ``model``), the rest replicated."""
-  params = make_params()
+def placed(mesh, layers: int = LAYERS, virtual_stages: int = 1) -> dict:
+  """The parameters on ``mesh``: the layers on ``stage`` (and ``model``), the rest replicated.
+
+  With virtual stages, stage ``s`` holds chunks ``s, S + s, ...`` of the layers, in turn.
+  """
+  params = make_params(layers)
   stages = mesh.shape["stage"]
   tensor = "model" in mesh.axis_names
 
   def place(path, leaf):
     if path[0].key != "layers":
       return jax.device_put(leaf, NamedSharding(mesh, P()))
-    leaf = leaf.reshape(stages, -1, *leaf.shape[1:])
+    leaf = chunked(leaf, stages, virtual_stages)
     spec = TENSOR_PARALLEL[path[-1].key] if tensor else P()
     return jax.device_put(leaf, NamedSharding(mesh, P("stage", *spec)))
 
   return jax.tree_util.tree_map_with_path(place, params)
 
 
-def unstaged(grads) -> dict:
-  layers = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), grads["layers"])
-  return {**grads, "layers": layers}
+def chunked(layers, stages: int, virtual_stages: int = 1):
+  """A stack ``(layers, ...)`` as ``(stages, layers // stages, ...)``, each stage its chunks."""
+  v, shape = virtual_stages, layers.shape[1:]
+  return layers.reshape(v, stages, -1, *shape).swapaxes(0, 1).reshape(stages, -1, *shape)
 
 
-def assert_matches_one_device(loss, grads, scale: float = 1.0):
-  want_loss, want = expected()
+def unstaged(grads, virtual_stages: int = 1) -> dict:
+  """The inverse of ``chunked``, on the host."""
+
+  def unstage(a):
+    a = np.asarray(a)
+    v, stages = virtual_stages, a.shape[0]
+    return a.reshape(stages, v, -1, *a.shape[2:]).swapaxes(0, 1).reshape(-1, *a.shape[2:])
+
+  return {**grads, "layers": jax.tree.map(unstage, grads["layers"])}
+
+
+def assert_matches_one_device(loss, grads, scale: float = 1.0, virtual_stages: int = 1):
+  """``scale`` times one device's loss and gradients, of as many layers as ``grads`` has."""
+  grads = unstaged(grads, virtual_stages)
+  want_loss, want = expected(grads["layers"]["w"].shape[0])
   assert float(loss) == pytest.approx(scale * float(want_loss), rel=1e-5)
-  chex.assert_trees_all_close(unstaged(grads), jax.tree.map(lambda g: scale * g, want), **ROUNDING)
+  chex.assert_trees_all_close(grads, jax.tree.map(lambda g: scale * g, want), **ROUNDING)
 
 
 @pytest.mark.parametrize(
@@ -549,3 +566,61 @@ def test_linen_pipeline_hands_the_rngs_of_apply_to_its_blocks(shape, kind, stage
     grads = tx.gather(grads)
   assert float(value) == pytest.approx(float(want_value), rel=1e-5)
   chex.assert_trees_all_close(grads, want, **ROUNDING)
+
+
+@pytest.mark.parametrize(
+  "shape, kind, stage, reduce, layers, microbatches",
+  [
+    ((2, 4), EXPLICIT, 3, None, 4, 2),
+    ((2, 2, 2), AUTO, 2, None, 4, 4),
+    ((4, 2), AUTO, 1, None, 8, 4),
+    ((4, 2), EXPLICIT, 3, "step", 8, 4),
+  ],
+)
+def test_interleaved_schedule_matches_one_device(shape, kind, stage, reduce, layers, microbatches):
+  # Two chunks per stage: virtual stage k S + s on stage s, the activations coming round from
+  # the last stage to the first between chunks; ZeRO inside as in the other schedules.
+  mesh = make_mesh(shape, kind)
+  tx = STAGES[stage](optax.sgd(0.1), mesh=mesh, min_shard_size=256)
+  options = dict(microbatches=microbatches, virtual_stages=2, reduce=reduce)
+  with jax.set_mesh(mesh):
+    params = tx.shard(placed(mesh, layers, virtual_stages=2))
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+    loss, grads = jax.jit(zerojax.value_and_grad(pipelined_loss("interleaved", **options), tx))(
+      params, *batch
+    )
+    grads = tx.gather(grads)
+  assert_matches_one_device(loss, grads, virtual_stages=2)
+
+
+@pytest.mark.parametrize("stages, microbatches, chunks", [(2, 4, 2), (4, 8, 2), (4, 4, 3)])
+def test_interleaved_timetable_runs_every_chunk_in_order_with_a_smaller_bubble(
+  stages, microbatches, chunks
+):
+  table = zerojax.pipeline_timetable(
+    "interleaved", stages=stages, microbatches=microbatches, virtual_stages=chunks
+  )
+  assert table.bubble() == pytest.approx((stages - 1) / (chunks * microbatches + stages - 1))
+  plain = zerojax.pipeline_timetable("1f1b", stages=stages, microbatches=microbatches)
+  assert table.bubble() < plain.bubble()
+  # Micro-batch m reaches virtual stage j = k S + s one tick after j - 1 at the earliest, and
+  # leaves it backward after j + 1; the last one's backward pass follows its forward pass.
+  ticks = {}
+  for name, (runs, chunk) in {
+    "forward": (table.forward, table.forward_chunk),
+    "backward": (table.backward, table.backward_chunk),
+  }.items():
+    for t, s in np.argwhere(runs >= 0):
+      assert (name, runs[t, s], chunk[t, s] * stages + s) not in ticks  # each exactly once
+      ticks[name, runs[t, s], chunk[t, s] * stages + s] = t
+  last = chunks * stages - 1
+  for m in range(microbatches):
+    forward = [ticks["forward", m, j] for j in range(last + 1)]
+    backward = [ticks["backward", m, j] for j in range(last + 1)]
+    assert np.all(np.diff(forward) >= 1) and np.all(np.diff(backward) <= -1)
+    assert backward[-1] >= forward[-1]
+  one = zerojax.pipeline_timetable(
+    "interleaved", stages=stages, microbatches=microbatches, virtual_stages=1
+  )
+  np.testing.assert_array_equal(one.forward, plain.forward)
+  np.testing.assert_array_equal(one.backward, plain.backward)

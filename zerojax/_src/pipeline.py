@@ -49,7 +49,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax._src import batch_mean, pipeline_stage
-from zerojax._src.pipeline_schedule import check_schedule
+from zerojax._src.pipeline_schedule import check_schedule, check_virtual_stages
 from zerojax._src.pipeline_stage import Config, Parts, is_shard, reduces_once
 
 
@@ -66,6 +66,7 @@ def pipeline(
   axis_name: str = "stage",
   reduce: str | None = None,
   key: Any = None,
+  virtual_stages: int | None = None,
 ) -> Any:
   """Runs ``stage_fn`` as a pipeline over the ``axis_name`` mesh axis, micro-batch by micro-batch.
 
@@ -107,7 +108,8 @@ def pipeline(
     x: the first stage's input: a pytree of arrays whose leading axis divides
       by ``microbatches``.
     microbatches: how many micro-batches ``x`` is split into.
-    schedule: ``"gpipe"`` or ``"1f1b"`` (see ``zerojax.pipeline_timetable``).
+    schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (see
+      ``zerojax.pipeline_timetable``).
     loss_fn: ``loss_fn(loss_params, h, *targets) -> scalar``, the mean loss of
       one micro-batch, computed by the last stage.
     loss_params: the parameters ``loss_fn`` differentiates (the head); may hold
@@ -121,6 +123,11 @@ def pipeline(
       3, which would otherwise hold the stage's gathered weights as well.
     key: a PRNG key (or a pytree of them) for randomness inside the stages,
       handed to ``stage_fn`` folded with the micro-batch and the stage.
+    virtual_stages: ``schedule="interleaved"``'s chunks per stage, ``v``.
+      Each stage's stacked layers (their second axis) are then ``v`` chunks
+      in turn, chunk ``k`` of stage ``s`` being virtual stage ``k S + s``,
+      and ``stage_fn`` runs one chunk: restack ``(layers, ...)`` as
+      ``a.reshape(v, S, -1, ...).swapaxes(0, 1).reshape(S, -1, ...)``.
 
   Returns:
     The last stage's output for ``x``, or the mean loss with ``loss_fn``.
@@ -140,6 +147,8 @@ def pipeline(
   """
   check_schedule(schedule)
   reduces_once(reduce, splits_params=True)  # raises for anything else
+  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+    raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
   if loss_fn is None and schedule != "gpipe":
     raise ValueError(
       f"schedule={schedule!r} runs a micro-batch's backward pass before later micro-batches' "
@@ -152,9 +161,13 @@ def pipeline(
     raise ValueError(f"targets must be a tuple of arrays (or pytrees), got {_kind(targets)}.")
   mesh = mesh_of(axis_name, (stage_params, x))
   stages = mesh.shape[axis_name]
-  _check_stage_params(stage_params, stages, axis_name)
+  check_virtual_stages(schedule, virtual_stages, stages, microbatches)
+  _check_stage_params(stage_params, stages, axis_name, virtual_stages or 1)
   _check_microbatches(microbatches, x, targets)
-  config = Config(stage_fn, loss_fn, axis_name, mesh, schedule, microbatches, reduce, Parts.of(x))
+  parts = Parts.of(x)
+  config = Config(
+    stage_fn, loss_fn, axis_name, mesh, schedule, microbatches, reduce, parts, virtual_stages
+  )
   if loss_fn is not None:
     _warn_if_summed(loss_fn, loss_params, x, targets, microbatches)
   try:
@@ -283,7 +296,7 @@ def mesh_of(axis_name: str, trees: Any) -> Any:
   return mesh
 
 
-def _check_stage_params(stage_params: Any, stages: int, axis_name: str) -> None:
+def _check_stage_params(stage_params: Any, stages: int, axis_name: str, chunks: int) -> None:
   leaves = jax.tree_util.tree_flatten_with_path(stage_params, is_leaf=is_shard)[0]
   if not leaves:
     raise ValueError("stage_params holds no arrays: pass the stages' stacked parameters.")
@@ -297,6 +310,12 @@ def _check_stage_params(stage_params: Any, stages: int, axis_name: str) -> None:
         f"stack the stages' parameters along a leading axis of size {stages} (reshape "
         f"(layers, ...) to ({stages}, layers // {stages}, ...))."
       )
+    if chunks > 1 and (len(shape) < 2 or shape[1] % chunks):
+      raise ValueError(
+        f"{where} has shape {shape}: the interleaved schedule splits each stage's layers "
+        f"(the second axis) into virtual_stages={chunks} chunks, which does not divide. "
+        f"Give each stage a multiple of {chunks} layers."
+      )
     if is_shard(leaf) and value.ndim + leaf.dim < 2 and value.ndim >= 3:
       raise ValueError(
         f"{where} is split over the data axes along dimension {value.ndim + leaf.dim}, its "
@@ -306,9 +325,7 @@ def _check_stage_params(stage_params: Any, stages: int, axis_name: str) -> None:
       )
 
 
-def _check_microbatches(microbatches: Any, x: Any, targets: tuple[Any, ...]) -> None:
-  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-    raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
+def _check_microbatches(microbatches: int, x: Any, targets: tuple[Any, ...]) -> None:
   rows = None
   for name, tree in (("x", x), *((f"targets[{i}]", t) for i, t in enumerate(targets))):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:

@@ -69,6 +69,7 @@ class Config(NamedTuple):
   microbatches: int
   reduce: str | None
   parts: Parts
+  virtual_stages: int | None = None
 
   @property
   def stages(self) -> int:
@@ -76,7 +77,11 @@ class Config(NamedTuple):
 
   def timetable(self, backward: bool) -> Timetable:
     return pipeline_timetable(
-      self.schedule, stages=self.stages, microbatches=self.microbatches, backward=backward
+      self.schedule,
+      stages=self.stages,
+      microbatches=self.microbatches,
+      backward=backward,
+      virtual_stages=self.virtual_stages,
     )
 
 
@@ -102,6 +107,8 @@ class Stage:
     self.first = self.index == 0
     self.last = self.index == config.stages - 1
     weights = jax.tree.map(lambda a: self.own(a[0]), weights)  # this stage's slice
+    self.chunks = config.virtual_stages or 1
+    self.per_chunk = jax.tree.leaves(weights)[0].shape[0] // self.chunks
     self.weights = Params(weights, config.reduce, self.opened)
     self.loss_params = Params(jax.tree.map(self.own, loss_params), config.reduce, self.opened)
 
@@ -183,10 +190,45 @@ class Stage:
     return jax.tree.map(mine, tree)
 
   def shift(self, tree: Any, direction: int) -> Any:
-    """``tree`` from each stage to the next (``direction=1``) or the previous one (``-1``)."""
+    """``tree`` from each stage to the next (``direction=1``) or the previous one (``-1``).
+
+    With chunks (interleaved) the ends meet: the last stage's chunk hands on to
+    the first stage's next chunk, and cotangents go the other way.
+    """
     stages = self.config.stages
-    pairs = [(s, s + direction) for s in range(stages) if 0 <= s + direction < stages]
+    if self.chunks > 1:
+      pairs = [(s, (s + direction) % stages) for s in range(stages)]
+    else:
+      pairs = [(s, s + direction) for s in range(stages) if 0 <= s + direction < stages]
     return jax.lax.ppermute(tree, self.config.axis_name, pairs)
+
+  def chunk_of(self, tree: Any, k: Any) -> Any:
+    """Chunk ``k`` of the stage's layers (their leading axis): the whole stack for one chunk."""
+    if self.chunks == 1:
+      return tree
+    n = self.per_chunk
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, k * n, n, 0), tree)
+
+  def added(self, active: jax.Array, sums: list[Any], grads: list[Any], k: Any) -> list[Any]:
+    """``sums`` with the gradients of chunk ``k`` added where they belong, if ``active``."""
+    if self.chunks == 1:
+      return _added(active, sums, grads)
+    n = self.per_chunk
+
+    def add(s, g):
+      part = jax.lax.dynamic_slice_in_dim(s, k * n, n, 0)
+      part = part + jnp.where(active, g.astype(s.dtype), jnp.zeros_like(part))
+      return jax.lax.dynamic_update_slice_in_dim(s, part, k * n, 0)
+
+    return [add(s, g) for s, g in zip(sums, grads, strict=True)]
+
+  def first_chunk(self, k: Any) -> jax.Array:
+    """Whether chunk ``k`` of this stage is the first virtual stage (reads ``x``)."""
+    return self.first & (k == 0)
+
+  def last_chunk(self, k: Any) -> jax.Array:
+    """Whether chunk ``k`` of this stage is the last virtual stage (computes the loss)."""
+    return self.last & (k == self.chunks - 1)
 
 
 class Params:
@@ -320,9 +362,14 @@ class Residuals:
     return cls(children[0], *aux)
 
 
-def _known(consts) -> list[Any]:
-  """The arrays every micro-batch shares, which a VJP may keep: found by identity, not stored."""
-  return jax.tree.leaves((consts["wd"], consts["wf"], consts["ld"], consts["lf"]))
+def _known(stage: Stage, consts, k) -> list[Any]:
+  """The arrays every micro-batch shares, which a VJP may keep: found by identity, not stored.
+
+  Chunk ``k`` of the weights (interleaved) counts: it is cut again, the same,
+  when the pullback is rebuilt.
+  """
+  chunk = stage.chunk_of((consts["wd"], consts["wf"]), k)
+  return jax.tree.leaves((consts["wd"], consts["wf"], consts["ld"], consts["lf"], chunk))
 
 
 class Parts(NamedTuple):
@@ -364,16 +411,20 @@ def _inexact(x: Any) -> bool:
   return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _forward(stage: Stage, consts, h, m) -> tuple[Any, Residuals]:
-  """Micro-batch ``m`` through the stage: its output and its VJP (of the inexact leaves)."""
-  wf, parts = consts["wf"], stage.parts
+def _forward(stage: Stage, consts, h, m, k) -> tuple[Any, Residuals]:
+  """Micro-batch ``m`` through chunk ``k`` of the stage: its output and its VJP.
+
+  The VJP is of the chunk's weights and the inexact leaves of the activations.
+  """
+  wd, wf = stage.chunk_of((consts["wd"], consts["wf"]), k)
+  parts = stage.parts
 
   def apply(diff, hd):
     out = stage.call(stage.weights.join(diff, wf), parts.join(hd, h), m)
     return parts.diff(out), out
 
-  _, pullback, h_out = jax.vjp(apply, consts["wd"], parts.diff(h), has_aux=True)
-  return h_out, Residuals.of(pullback, _known(consts))
+  _, pullback, h_out = jax.vjp(apply, wd, parts.diff(h), has_aux=True)
+  return h_out, Residuals.of(pullback, _known(stage, consts, k))
 
 
 class Form(NamedTuple):
@@ -391,7 +442,7 @@ class Form(NamedTuple):
 
     def trace(consts):
       h = jax.tree.map(lambda x: x[0], consts["xs"])
-      h_out, residuals = _forward(stage, consts, h, 0)
+      h_out, residuals = _forward(stage, consts, h, 0, 0)
       found.append((residuals.treedef, residuals.where))
       return h_out, residuals.stored
 
@@ -399,13 +450,13 @@ class Form(NamedTuple):
     check_output(output, jax.tree.map(lambda x: x[0], consts["xs"]))
     return cls(output, tuple(stored), *found[0])
 
-  def forward(self, stage: Stage, consts, h, m) -> tuple[Any, list[jax.Array]]:
-    h_out, residuals = _forward(stage, consts, h, m)
+  def forward(self, stage: Stage, consts, h, slot: Slot) -> tuple[Any, list[jax.Array]]:
+    h_out, residuals = _forward(stage, consts, h, slot.m, slot.chunk)
     assert residuals.where == self.where, "a stage's VJP changed form between two traces"
     return h_out, residuals.stored
 
-  def pullback(self, consts, stored: list[jax.Array]) -> Callable:
-    return Residuals(stored, self.treedef, self.where).pullback(_known(consts))
+  def pullback(self, stage: Stage, consts, stored: list[jax.Array], k) -> Callable:
+    return Residuals(stored, self.treedef, self.where).pullback(_known(stage, consts, k))
 
 
 def check_output(output: Any, h: Any) -> None:
@@ -446,19 +497,39 @@ def _added(active: jax.Array, sums: list[Any], grads: list[Any]) -> list[Any]:
   return [add(s, g) for s, g in zip(sums, grads, strict=True)]
 
 
+class Slot(NamedTuple):
+  """What a stage runs in one slot of a tick (traced: read from the timetable)."""
+
+  m: jax.Array  #: the micro-batch, -1 for none (the bubble)
+  chunk: jax.Array  #: which chunk of the stage's layers (interleaved; else 0)
+  entry: jax.Array  #: where the micro-batch's saved activations live (``Timetable.ring``)
+
+  @property
+  def active(self) -> jax.Array:
+    return self.m >= 0
+
+  def valid(self) -> Slot:
+    """The slot with micro-batch 0 in place of none: a bubble computes on stale inputs."""
+    return self._replace(m=jnp.maximum(self.m, 0))
+
+
 def _ticks(stage: Stage, table: Timetable, consts, state, forward_slot, backward_slot):
   """Runs ``table``'s phases: each tick, the slots the phase needs, then the hand-offs."""
-  forward = jnp.asarray(table.forward)
-  backward = jnp.asarray(table.backward)
+  ring_f, ring_b, _ = table.ring()
+  tables = [
+    [jnp.asarray(a) for a in (table.forward, table.chunk(False), ring_f)],
+    [jnp.asarray(a) for a in (table.backward, table.chunk(True), ring_b)],
+  ]
+  slot = lambda kind, t: Slot(*(a[t, stage.index] for a in tables[kind]))
 
   def tick(phase, state, t):
     if phase.forward:
       with jax.named_scope(FORWARD_SLOT):
-        state = forward_slot(state, consts, forward[t, stage.index])
+        state = forward_slot(state, consts, slot(0, t))
       state["act"] = stage.shift(state["sent_act"], 1)
     if phase.backward:
       with jax.named_scope(BACKWARD_SLOT):
-        state = backward_slot(state, consts, backward[t, stage.index])
+        state = backward_slot(state, consts, slot(1, t))
       state["cot"] = stage.shift(state["sent_cot"], -1)
     return state, None
 
@@ -469,9 +540,10 @@ def _ticks(stage: Stage, table: Timetable, consts, state, forward_slot, backward
   return state
 
 
-def _input(stage: Stage, state, consts, m):
-  """Micro-batch ``m``'s input: ``x``'s on the first stage, the activations received elsewhere."""
-  return jax.tree.map(lambda x, a: jnp.where(stage.first, x, a), _at(consts["xs"], m), state["act"])
+def _input(stage: Stage, state, consts, slot: Slot):
+  """The slot's input: ``x``'s on the first (virtual) stage, the activations received elsewhere."""
+  first = stage.first_chunk(slot.chunk)
+  return jax.tree.map(lambda x, a: jnp.where(first, x, a), _at(consts["xs"], slot.m), state["act"])
 
 
 def fused_program(config: Config, weights, loss_params, x, targets, key):
@@ -501,11 +573,12 @@ def fused_program(config: Config, weights, loss_params, x, targets, key):
   }
   state["sent_act"], state["sent_cot"] = state["act"], state["cot"]
 
-  def forward_slot(state, consts, m):
-    state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, m), m)
+  def forward_slot(state, consts, slot):
+    state, active, slot = dict(state), slot.active, slot.valid()
+    m = slot.m
+    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, slot), slot)
     state["sent_act"] = h_out
-    state["stored"] = _masked(active, state["stored"], stored, m % slots)
+    state["stored"] = _masked(active, state["stored"], stored, slot.entry)
     targets = _at(consts["ts"], m)
 
     def head(diff, hd):  # this micro-batch's share of the mean over micro-batches
@@ -516,14 +589,15 @@ def fused_program(config: Config, weights, loss_params, x, targets, key):
     (_, loss), (dl, dh) = jax.value_and_grad(head, argnums=(0, 1), has_aux=True)(
       consts["ld"], parts.diff(h_out)
     )
-    mine = active & stage.last  # every stage computes the loss; the last one's counts
+    # Every stage computes the loss; the last (virtual) stage's counts.
+    mine = active & stage.last_chunk(slot.chunk)
     state["losses"] = _masked(mine, state["losses"], loss.astype(jnp.float32), m)
-    state["dys"] = _masked(mine, state["dys"], dh, m % slots)
+    state["dys"] = _masked(mine, state["dys"], dh, slot.entry)
     state["gl"] = _added(mine, state["gl"], dl)
     return state
 
   backward_slot = _backward_slot(
-    stage, form, lambda state, m: _at((state["stored"], state["dys"]), m % slots)
+    stage, form, lambda state, slot: _at((state["stored"], state["dys"]), slot.entry)
   )
   state = _ticks(stage, table, consts, state, forward_slot, backward_slot)
   loss = stage.only(stage.last, jnp.mean(state["losses"]))
@@ -545,12 +619,12 @@ def forward_program(config: Config, found: list[Any], weights, x, key):
   }
   state["sent_act"] = state["act"]
 
-  def forward_slot(state, consts, m):
-    state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, m), m)
+  def forward_slot(state, consts, slot):
+    state, active, slot = dict(state), slot.active, slot.valid()
+    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, slot), slot)
     state["sent_act"] = h_out
-    state["stored"] = _masked(active, state["stored"], stored, m)
-    state["ys"] = _masked(active, state["ys"], h_out, m)
+    state["stored"] = _masked(active, state["stored"], stored, slot.m)
+    state["ys"] = _masked(active, state["ys"], h_out, slot.m)
     return state
 
   state = _ticks(stage, config.timetable(backward=False), consts, state, forward_slot, None)
@@ -579,25 +653,28 @@ def backward_program(config: Config, treedef, where, stored, weights, x, dy):
   }
   state["sent_cot"] = state["cot"]
 
-  backward_slot = _backward_slot(stage, form, lambda state, m: _at((state["stored"], dys), m))
+  backward_slot = _backward_slot(
+    stage, form, lambda state, slot: _at((state["stored"], dys), slot.m)
+  )
   return _gradients(stage, _ticks(stage, table, consts, state, None, backward_slot))
 
 
 def _backward_slot(stage: Stage, form: Form, saved: Callable[..., Any]) -> Callable[..., Any]:
   """A backward slot: micro-batch ``m``'s pullback applied to its output's cotangent.
 
-  ``saved(state, m)`` gives the micro-batch's stored residuals and the loss's
-  cotangent of its output, which the last stage uses; the others use the
-  cotangent the next stage sent.
+  ``saved(state, slot)`` gives the micro-batch's stored residuals and the
+  loss's cotangent of its output, which the last (virtual) stage uses; the
+  others use the cotangent the next one sent.
   """
 
-  def backward_slot(state, consts, m):
-    state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    stored, dys = saved(state, m)
-    cotangent = [jnp.where(stage.last, d, c) for d, c in zip(dys, state["cot"], strict=True)]
-    dw, dh = form.pullback(consts, stored)(cotangent)
-    state["gw"] = _added(active, state["gw"], dw)
-    state["dxs"] = _masked(active, state["dxs"], dh, m)
+  def backward_slot(state, consts, slot):
+    state, active, slot = dict(state), slot.active, slot.valid()
+    stored, dys = saved(state, slot)
+    last = stage.last_chunk(slot.chunk)
+    cotangent = [jnp.where(last, d, c) for d, c in zip(dys, state["cot"], strict=True)]
+    dw, dh = form.pullback(stage, consts, stored, slot.chunk)(cotangent)
+    state["gw"] = stage.added(active, state["gw"], dw, slot.chunk)
+    state["dxs"] = _masked(active & (slot.chunk == 0), state["dxs"], dh, slot.m)
     state["sent_cot"] = dh
     return state
 
