@@ -26,6 +26,7 @@ MODULE_SECONDS = {
   "test_flax": 66,
   "test_quantize": 59,
   "test_accelerators": 53,
+  "test_pipeline_models": 45,
   "test_nonfinite": 45,
   "test_docs": 45,
   "test_meshes": 38,
@@ -37,15 +38,16 @@ MODULE_SECONDS = {
   "test_ordering": 26,
   "test_bad_input": 24,
   "test_layout": 13,
-  "flax_linen": 12,
+  "linen": 12,
   "test_export": 12,
   "test_accumulation": 12,
   "test_mutations": 12,
   "test_estimate": 12,
   "test_transformation": 9,
   "test_cli_errors": 7,
-  "flax_nnx": 6,
+  "nnx": 6,
   "scan": 6,
+  "test_randomness": 5,
 }
 
 

@@ -227,6 +227,30 @@ def one_f_one_b_without_the_loss(types):
   _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, schedule="1f1b")
 
 
+def _interleaved(types, w_shape=(2, 2, 16, 16), rows=8, **options):
+  """The interleaved schedule on ``stage=2 x data=4``, the loss inside the pipeline."""
+  mesh = _stage_mesh(types)
+  options = {"schedule": "interleaved", "microbatches": 2, "virtual_stages": 2, **options}
+  mean = lambda _, h: jnp.mean(h)
+  _pipelined(mesh, _staged(mesh, w_shape), jnp.ones((rows, 16)), loss_fn=mean, **options)
+
+
+def interleaved_without_virtual_stages(types):
+  _interleaved(types, virtual_stages=None)
+
+
+def interleaved_micro_batches_not_in_groups_of_the_stages(types):
+  _interleaved(types, rows=9, microbatches=3)
+
+
+def virtual_stages_without_the_interleaved_schedule(types):
+  _interleaved(types, schedule="1f1b")
+
+
+def interleaved_chunks_that_do_not_divide_a_stage_s_layers(types):
+  _interleaved(types, w_shape=(2, 3, 16, 16))
+
+
 def pipeline_on_a_mesh_without_stages(types):
   mesh = _mesh(types)
   w = jax.device_put(jnp.ones((2, 16, 16)), jax.NamedSharding(mesh, jax.P()))
@@ -241,6 +265,23 @@ def stage_changes_the_activations_shape(types):
   mesh = _stage_mesh(types)
   narrow = lambda w, h: _stage(w, h)[:, :8]
   _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), narrow, microbatches=2)
+
+
+def pipeline_loss_fn_that_sums(types):
+  mesh = _stage_mesh(types)
+  head = lambda _, h: jnp.sum(h**2)  # per micro-batch, summed
+  _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, loss_fn=head)
+
+
+def pipeline_stage_fn_closing_over_a_key(types):
+  # Explicit axes whatever ``types``: on Auto axes JAX lets a shard_map close over it.
+  mesh = _stage_mesh(AxisType.Explicit)
+  dropout = lambda key: lambda w, h: _stage(w, h) * jax.random.bernoulli(key, 0.5, h.shape)
+  with jax.set_mesh(mesh):
+    w, x = _staged(mesh), jnp.ones((8, 16))
+    jax.jit(lambda w, x, key: zerojax.pipeline(dropout(key), w, x, microbatches=2))(
+      w, x, jax.random.key(0)
+    )
 
 
 def value_and_grad_under_a_shard_map_over_every_axis(types):
@@ -358,8 +399,18 @@ CASES = {
   "zerojax.pipeline splits x of shape (6, 16) into 4 micro-batches": (
     indivisible_pipeline_micro_batches
   ),
-  "schedule must be one of ('gpipe', '1f1b'), got '1fb1'; did you mean '1f1b'?": schedule_typo,
+  "schedule must be one of ('gpipe', '1f1b', 'interleaved'), got '1fb1'; did you mean '1f1b'?": (
+    schedule_typo
+  ),
   "the loss must be computed inside the pipeline: pass loss_fn=": one_f_one_b_without_the_loss,
+  "schedule='interleaved' splits each stage's layers into chunks (virtual stages): pass "
+  "virtual_stages=v": interleaved_without_virtual_stages,
+  "schedule='interleaved' runs micro-batches in groups of the 2 stages": (
+    interleaved_micro_batches_not_in_groups_of_the_stages
+  ),
+  "virtual_stages=2 is the interleaved schedule's": virtual_stages_without_the_interleaved_schedule,
+  "the interleaved schedule splits each stage's layers (the second axis) into "
+  "virtual_stages=2 chunks": interleaved_chunks_that_do_not_divide_a_stage_s_layers,
   "mesh has no axis 'stage' (its axes are ('data',)) to run the pipeline stages over": (
     pipeline_on_a_mesh_without_stages
   ),
@@ -368,6 +419,12 @@ CASES = {
   ),
   "stage_fn returned float32[4, 8] for a micro-batch of float32[4, 16]": (
     stage_changes_the_activations_shape
+  ),
+  "UserWarning: zerojax.pipeline: loss_fn's loss looks like a sum over its micro-batch": (
+    pipeline_loss_fn_that_sums
+  ),
+  "zerojax.pipeline: stage_fn or loss_fn closes over an array from outside the pipeline": (
+    pipeline_stage_fn_closing_over_a_key
   ),
   "zerojax.value_and_grad was called where the mesh axes ['data'] are already manual": (
     value_and_grad_under_a_shard_map_over_every_axis

@@ -16,7 +16,7 @@ plain-JAX reproduction.
 re-emits it with a data dependency wherever a loop that holds collectives
 and another collective have no data path between them: XLA's runtime waits
 for data dependencies to complete. A link reads one element and adds
-``-0.0`` to one element, so it changes no value and costs nothing measurable.
+``-0.0`` to the smallest input, so it changes no value and costs nothing measurable.
 """
 
 from __future__ import annotations
@@ -235,12 +235,20 @@ def _depend(x: jax.Array, anchors: list[jax.Array]) -> jax.Array:
   ``0.0 * a`` is a zero or, for an infinite or NaN ``a``, NaN; XLA keeps the
   product because it cannot know which (it folds what it can prove, such as
   ``|a| < 0`` or integer ``0 * a``). NaN is then replaced by zero and the sign
-  made negative: one element of ``x`` gets ``-0.0`` added (``y + -0.0 == y``
+  made negative: every element of ``x`` gets ``-0.0`` added (``y + -0.0 == y``
   for every float ``y``, ``-0.0`` included) or, for integers, ``0``.
+
+  Every element, not one: inside a ``shard_map`` manual over some axes, XLA's
+  partitioner may split ``x`` over an ``Auto`` axis that its type does not
+  show (a ``model`` axis), and it partitions a one-element update wrongly
+  there: each part writes the whole array's first element into its own
+  first element (``x.at[0, 0].add(-0.0)`` on rows split in two copies row 0
+  into row ``n / 2``). An elementwise add is partitioned like any other.
+  ``x`` is the smallest input that can take the link, so the add is cheap.
   """
   product = sum(jnp.float32(0.0) * a.reshape(-1)[0].astype(jnp.float32) for a in anchors)
   nothing = -jnp.abs(jnp.where(product != product, jnp.float32(0.0), product)).astype(x.dtype)
   missing = _varying(x) - _varying(nothing)
   if missing:
     nothing = jax.lax.pcast(nothing, tuple(missing), to="varying")
-  return x.at[(0,) * x.ndim].add(nothing)
+  return x + nothing

@@ -49,8 +49,9 @@ def not_manual(settings: Settings) -> None:
       f"zerojax.value_and_grad was called where the mesh axes {bound} are already manual "
       "(inside a jax.shard_map over them, or inside zerojax.pipeline's stage_fn), and its "
       "own shard_map over them would bind them again. Call it around the whole loss: "
-      "inside loss_fn, run the pipeline stages with zerojax.pipeline, and let a "
-      "jax.shard_map of your own name only its axes (axis_names={'stage'})."
+      "inside loss_fn, run the pipeline stages with zerojax.pipeline, and put code that must "
+      "run per stage in its stage_fn or loss_fn (a differentiated jax.shard_map of your own "
+      "does not lower inside value_and_grad)."
     )
 
 

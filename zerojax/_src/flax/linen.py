@@ -17,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from zerojax._src.comm import shards as shards_lib
 from zerojax._src.pipeline import loop as pipeline_lib
@@ -227,6 +229,11 @@ def pipeline(
   ``zerojax.pipeline``. ``Block`` has ``nn.scan``'s form ``(carry, x) ->
   (carry, y)``; it receives ``x=None`` and its ``y`` is dropped.
 
+  Random streams given to ``apply`` (``rngs={"dropout": key}``) reach the
+  blocks: the module draws one key per stream (``make_rng``), and layer ``i``
+  of stage ``s`` gets, for micro-batch ``m``, that key folded with ``m``,
+  ``s`` and ``i`` in turn (``zerojax.pipeline``'s ``key=``, then the layer).
+
   Args:
     target: the Linen module class of one layer.
     length: the number of layers (all stages together).
@@ -265,12 +272,21 @@ def pipeline(
         h = super().__call__(carry, None)[0]
         return h if loss_fn is None else loss_fn(loss_params, h, *targets)
       block = target(**{name: getattr(self, name) for name in fields}, parent=None)
-
-      def stage_fn(params, h):
-        layer = lambda h, params: block.apply({"params": params}, h, None)
-        return scan_lib.scan(layer, h, params, prefetch=prefetch, policy=policy)[0]
-
       stages = pipeline_lib.by_stage(self.variables["params"], axis_name)
+      per_stage = length // pipeline_lib.stage_count(stages, axis_name)
+      # The random streams apply was given (dropout, say), one key each for the pipeline.
+      streams = sorted(self.scope.rngs if self.scope is not None else ())
+      keys = {name: self.make_rng(name) for name in streams if name != "params"}
+
+      def stage_fn(params, h, keys=None):
+        def layer(h, inputs):
+          params, i = inputs
+          rngs = None if keys is None else {n: jax.random.fold_in(k, i) for n, k in keys.items()}
+          return block.apply({"params": params}, h, None, rngs=rngs)
+
+        layers = (params, jnp.arange(per_stage))
+        return scan_lib.scan(layer, h, layers, prefetch=prefetch, policy=policy)[0]
+
       return pipeline_lib.pipeline(
         stage_fn,
         stages,
@@ -282,6 +298,7 @@ def pipeline(
         loss_fn=loss_fn,
         loss_params=loss_params,
         targets=targets,
+        key=keys or None,
       )
 
   Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{target.__name__}"

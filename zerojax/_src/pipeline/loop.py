@@ -38,22 +38,24 @@ from __future__ import annotations
 
 import difflib
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax._src.pipeline import stage as pipeline_stage
-from zerojax._src.pipeline.stage import Config, is_shard, reduces_once
-from zerojax._src.pipeline.timetable import check_schedule
+from zerojax._src.pipeline.stage import Config, Parts, is_shard, reduces_once
+from zerojax._src.pipeline.timetable import check_schedule, check_virtual_stages
+from zerojax._src.step import batch_mean
 
 
 def pipeline(
-  stage_fn: Callable[[Any, Any], Any],
+  stage_fn: Callable[..., Any],
   stage_params: Any,
   x: Any,
   *,
@@ -64,6 +66,8 @@ def pipeline(
   targets: tuple[Any, ...] = (),
   axis_name: str = "stage",
   reduce: str | None = None,
+  key: Any = None,
+  virtual_stages: int | None = None,
 ) -> Any:
   """Runs ``stage_fn`` as a pipeline over the ``axis_name`` mesh axis, micro-batch by micro-batch.
 
@@ -87,14 +91,26 @@ def pipeline(
   micro-batch (``targets`` split like ``x``) and the pipeline returns the mean
   over micro-batches; this is what ``"1f1b"`` needs.
 
+  Randomness inside the stages (dropout) comes from ``key``: ``stage_fn`` is
+  then called as ``stage_fn(params, h, key)``, with ``key`` (a PRNG key, or a
+  pytree of them) folded with the micro-batch ``m`` and then the stage ``s``:
+  ``jax.random.fold_in(jax.random.fold_in(key, m), s)``, the same in the
+  forward pass and the backward pass. Inside ``zerojax.value_and_grad`` every
+  data device gets the same key unless it differs per device (fold in
+  ``jax.lax.axis_index("data")``, or pass one key per device as a batch
+  argument). The activations may also carry integer leaves (keys, positions)
+  from stage to stage: only their inexact leaves are differentiated.
+
   Args:
-    stage_fn: one stage's computation, ``stage_fn(params, h) -> h``.
+    stage_fn: one stage's computation, ``stage_fn(params, h) -> h``, or
+      ``stage_fn(params, h, key) -> h`` with ``key``.
     stage_params: a pytree of arrays (or ``zerojax.Shard`` s) with a leading
       stage axis.
     x: the first stage's input: a pytree of arrays whose leading axis divides
       by ``microbatches``.
     microbatches: how many micro-batches ``x`` is split into.
-    schedule: ``"gpipe"`` or ``"1f1b"`` (see ``zerojax.pipeline_timetable``).
+    schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (see
+      ``zerojax.pipeline_timetable``).
     loss_fn: ``loss_fn(loss_params, h, *targets) -> scalar``, the mean loss of
       one micro-batch, computed by the last stage.
     loss_params: the parameters ``loss_fn`` differentiates (the head); may hold
@@ -106,6 +122,13 @@ def pipeline(
       ``None`` for the stage's default: once per step at stage 2, where it
       holds a stage's whole gradient as stage 1 does; per micro-batch at stage
       3, which would otherwise hold the stage's gathered weights as well.
+    key: a PRNG key (or a pytree of them) for randomness inside the stages,
+      handed to ``stage_fn`` folded with the micro-batch and the stage.
+    virtual_stages: ``schedule="interleaved"``'s chunks per stage, ``v``.
+      Each stage's stacked layers (their second axis) are then ``v`` chunks
+      in turn, chunk ``k`` of stage ``s`` being virtual stage ``k S + s``,
+      and ``stage_fn`` runs one chunk: restack ``(layers, ...)`` as
+      ``a.reshape(v, S, -1, ...).swapaxes(0, 1).reshape(S, -1, ...)``.
 
   Returns:
     The last stage's output for ``x``, or the mean loss with ``loss_fn``.
@@ -125,6 +148,8 @@ def pipeline(
   """
   check_schedule(schedule)
   reduces_once(reduce, splits_params=True)  # raises for anything else
+  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+    raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
   if loss_fn is None and schedule != "gpipe":
     raise ValueError(
       f"schedule={schedule!r} runs a micro-batch's backward pass before later micro-batches' "
@@ -137,13 +162,72 @@ def pipeline(
     raise ValueError(f"targets must be a tuple of arrays (or pytrees), got {_kind(targets)}.")
   mesh = mesh_of(axis_name, (stage_params, x))
   stages = mesh.shape[axis_name]
-  _check_stage_params(stage_params, stages, axis_name)
+  check_virtual_stages(schedule, virtual_stages, stages, microbatches)
+  _check_stage_params(stage_params, stages, axis_name, virtual_stages or 1)
   _check_microbatches(microbatches, x, targets)
-  config = Config(stage_fn, loss_fn, axis_name, mesh, schedule, microbatches, reduce)
-  stage_params, loss_params, x, targets = _placed(config, stage_params, loss_params, x, targets)
-  if loss_fn is None:
-    return _activations(config, stage_params, x)
-  return _loss(config, stage_params, loss_params, x, targets)
+  parts = Parts.of(x)
+  config = Config(
+    stage_fn, loss_fn, axis_name, mesh, schedule, microbatches, reduce, parts, virtual_stages
+  )
+  if loss_fn is not None:
+    _warn_if_summed(loss_fn, loss_params, x, targets, microbatches)
+  try:
+    return _run(config, stage_params, loss_params, x, targets, key)
+  except (NotImplementedError, ValueError) as error:
+    if not any(sign in str(error) for sign in _CLOSED_OVER):
+      raise
+    raise ValueError(
+      "zerojax.pipeline: stage_fn or loss_fn closes over an array from outside the pipeline "
+      "(a random key, say), which JAX cannot hand to the stages' shard_map on Explicit axes "
+      f"({str(error).splitlines()[0]}). Pass random keys with key=... (stage_fn then "
+      "receives each micro-batch's and stage's own as a third argument), arrays the stages "
+      "read in stage_params, and the head's in loss_params."
+    ) from error
+
+
+#: What JAX says when a function inside a ``shard_map`` closes over an array typed on
+#: Explicit axes: the ``shard_map`` refuses it, or the first operation on it finds that its
+#: mesh is not the one inside (where the stage axis is manual).
+_CLOSED_OVER = ("Closing over inputs to shard_map", "should match the aval mesh")
+
+
+def _warn_if_summed(loss_fn, loss_params, x, targets, microbatches: int) -> None:
+  """Warns if ``loss_fn`` sums over its micro-batch, which the mean over micro-batches shrinks.
+
+  It is traced, not run, on one micro-batch's types (a stage's output has its
+  input's), by ``batch_mean.looks_summed`` as ``zerojax.value_and_grad``
+  checks its own loss.
+  """
+  batch = (batch_mean.resized(x, 1, microbatches), *batch_mean.resized(targets, 1, microbatches))
+  if not batch_mean.looks_summed(loss_fn, batch, params=(loss_params,)):
+    return
+  warnings.warn(
+    "zerojax.pipeline: loss_fn's loss looks like a sum over its micro-batch, not a mean (no "
+    "constant in it changes with the micro-batch size, as jnp.mean's divisor does, and it "
+    "divides by nothing computed from the batch). The pipeline returns the mean of the "
+    f"{microbatches} micro-batches' losses (and zerojax.value_and_grad the mean over the data "
+    f"devices), so a sum comes out 1/{microbatches} (times 1/data devices) of the loss on the "
+    "whole batch, and so do the gradients. Average over the micro-batch (jnp.mean), or "
+    "multiply a sum you mean by the number of micro-batches (and data devices).",
+    stacklevel=3,
+  )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run(config: Config, stage_params, loss_params, x, targets, key):
+  """The pipeline, as one program even where its caller runs op by op.
+
+  ``zerojax.value_and_grad`` called outside ``jax.jit`` runs its
+  ``shard_map`` eagerly, and JAX cannot run a ``shard_map`` nested in an
+  eager one (the inner one's arguments arrive with a leading axis of size 1
+  that it maps to the outer axes). Under ``jax.jit`` this is inlined.
+  """
+  stage_params, loss_params, x, targets, key = _placed(
+    config, stage_params, loss_params, x, targets, key
+  )
+  if config.loss_fn is None:
+    return _activations(config, stage_params, x, key)
+  return _loss(config, stage_params, loss_params, x, targets, key)
 
 
 def _kind(x: Any) -> str:
@@ -213,7 +297,7 @@ def mesh_of(axis_name: str, trees: Any) -> Any:
   return mesh
 
 
-def _check_stage_params(stage_params: Any, stages: int, axis_name: str) -> None:
+def _check_stage_params(stage_params: Any, stages: int, axis_name: str, chunks: int) -> None:
   leaves = jax.tree_util.tree_flatten_with_path(stage_params, is_leaf=is_shard)[0]
   if not leaves:
     raise ValueError("stage_params holds no arrays: pass the stages' stacked parameters.")
@@ -227,6 +311,12 @@ def _check_stage_params(stage_params: Any, stages: int, axis_name: str) -> None:
         f"stack the stages' parameters along a leading axis of size {stages} (reshape "
         f"(layers, ...) to ({stages}, layers // {stages}, ...))."
       )
+    if chunks > 1 and (len(shape) < 2 or shape[1] % chunks):
+      raise ValueError(
+        f"{where} has shape {shape}: the interleaved schedule splits each stage's layers "
+        f"(the second axis) into virtual_stages={chunks} chunks, which does not divide. "
+        f"Give each stage a multiple of {chunks} layers."
+      )
     if is_shard(leaf) and value.ndim + leaf.dim < 2 and value.ndim >= 3:
       raise ValueError(
         f"{where} is split over the data axes along dimension {value.ndim + leaf.dim}, its "
@@ -236,9 +326,7 @@ def _check_stage_params(stage_params: Any, stages: int, axis_name: str) -> None:
       )
 
 
-def _check_microbatches(microbatches: Any, x: Any, targets: tuple[Any, ...]) -> None:
-  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-    raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
+def _check_microbatches(microbatches: int, x: Any, targets: tuple[Any, ...]) -> None:
   rows = None
   for name, tree in (("x", x), *((f"targets[{i}]", t) for i, t in enumerate(targets))):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -265,12 +353,12 @@ def _check_microbatches(microbatches: Any, x: Any, targets: tuple[Any, ...]) -> 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loss(config: Config, weights, loss_params, x, targets):
-  return _fused(config, weights, loss_params, x, targets)[0]
+def _loss(config: Config, weights, loss_params, x, targets, key):
+  return _fused(config, weights, loss_params, x, targets, key)[0]
 
 
-def _loss_forward(config, weights, loss_params, x, targets):
-  loss, grads = _fused(config, weights, loss_params, x, targets)
+def _loss_forward(config, weights, loss_params, x, targets, key):
+  loss, grads = _fused(config, weights, loss_params, x, targets, key)
   return loss, (grads, _types((weights, loss_params, x)))
 
 
@@ -278,26 +366,28 @@ def _loss_backward(config, residuals, cotangent):
   # The pipeline ran the backward pass with a cotangent of 1 for the loss: the
   # gradients scale with the cotangent that arrives (1, or a loss scale).
   grads, types = residuals
-  scaled = jax.tree.map(lambda g: (g * cotangent.astype(g.dtype)).astype(g.dtype), grads)
-  return (*_matched(scaled, types), None)
+  gw, gl, dx = jax.tree.map(lambda g: (g * cotangent.astype(g.dtype)).astype(g.dtype), grads)
+  return (*_matched((gw, gl, config.parts.cotangent(dx)), types), None, None)
 
 
 _loss.defvjp(_loss_forward, _loss_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _activations(config: Config, weights, x):
-  return _forward_only(config, weights, x)[0]
+def _activations(config: Config, weights, x, key):
+  return _forward_only(config, weights, x, key)[0]
 
 
-def _activations_forward(config, weights, x):
-  y, saved = _forward_only(config, weights, x)
+def _activations_forward(config, weights, x, key):
+  y, saved = _forward_only(config, weights, x, key)
   return y, (saved, weights, x, _types((weights, x)))
 
 
 def _activations_backward(config, residuals, dy):
+  # Only the inexact leaves of the activations carry a cotangent (the rest: float0).
   saved, weights, x, types = residuals
-  return _matched(_backward_only(config, saved, weights, x, dy), types)
+  gw, dx = _backward_only(config, saved, weights, x, config.parts.diff(dy))
+  return (*_matched((gw, config.parts.cotangent(dx)), types), None)
 
 
 _activations.defvjp(_activations_forward, _activations_backward)
@@ -310,19 +400,19 @@ def _shard_map(config: Config, program: Callable[..., Any], in_specs: Any, out_s
   )
 
 
-def _fused(config: Config, weights, loss_params, x, targets):
+def _fused(config: Config, weights, loss_params, x, targets, key):
   staged = P(config.axis_name)
   program = functools.partial(pipeline_stage.fused_program, config)
-  return _shard_map(config, program, (staged, P(), P(), P()), (P(), (staged, P(), P())))(
-    weights, loss_params, x, targets
+  return _shard_map(config, program, (staged, P(), P(), P(), P()), (P(), (staged, P(), P())))(
+    weights, loss_params, x, targets, key
   )
 
 
-def _forward_only(config: Config, weights, x):
+def _forward_only(config: Config, weights, x, key):
   found: list[Any] = []
   staged = P(config.axis_name)
   program = functools.partial(pipeline_stage.forward_program, config, found)
-  y, stored = _shard_map(config, program, (staged, P()), (P(), staged))(weights, x)
+  y, stored = _shard_map(config, program, (staged, P(), P()), (P(), staged))(weights, x, key)
   return y, _Saved(stored, *found[0])
 
 
@@ -385,26 +475,28 @@ def _matched(cotangents: Any, types: _Types) -> Any:
   return jax.tree.map(match, cotangents, types.tree, is_leaf=lambda x: x is None)
 
 
-def _placed(config: Config, weights, loss_params, x, targets) -> tuple[Any, ...]:
+def _placed(config: Config, weights, loss_params, x, targets, key) -> tuple[Any, ...]:
   """The arguments typed as the stage ``shard_map`` takes them (explicit stage axes only).
 
   The stage parameters are placed on the stage axis along their leading
   dimension, the rest replicated over it; other axes keep their placement.
+  The placement names the mesh, so that it holds without ``jax.set_mesh``
+  (a drop-in step on arrays placed with ``NamedSharding``).
   """
   mesh, axis = config.mesh, config.axis_name
   if mesh.axis_types[mesh.axis_names.index(axis)] != AxisType.Explicit:
-    return weights, loss_params, x, targets
+    return weights, loss_params, x, targets, key
 
   def place(leaf, staged):
     entries = [_without(e, axis) for e in (*jax.typeof(leaf).sharding.spec, *[None] * leaf.ndim)]
     entries = entries[: leaf.ndim]
     if staged:
       entries[0] = axis if entries[0] is None else (axis, *_names(entries[0]))
-    return jax.sharding.reshard(leaf, P(*entries))
+    return jax.sharding.reshard(leaf, NamedSharding(mesh, P(*entries)))
 
   return (
     jax.tree.map(lambda a: place(a, True), weights),
-    *(jax.tree.map(lambda a: place(a, False), tree) for tree in (loss_params, x, targets)),
+    *(jax.tree.map(lambda a: place(a, False), tree) for tree in (loss_params, x, targets, key)),
   )
 
 

@@ -61,13 +61,15 @@ def reduces_once(reduce: str | None, splits_params: bool) -> bool:
 class Config(NamedTuple):
   """What one pipeline is, as static (hashable) facts."""
 
-  stage_fn: Callable[[Any, Any], Any]
+  stage_fn: Callable[..., Any]
   loss_fn: Callable[..., jax.Array] | None
   axis_name: str
   mesh: Any
   schedule: str
   microbatches: int
   reduce: str | None
+  parts: Parts
+  virtual_stages: int | None = None
 
   @property
   def stages(self) -> int:
@@ -75,7 +77,11 @@ class Config(NamedTuple):
 
   def timetable(self, backward: bool) -> Timetable:
     return pipeline_timetable(
-      self.schedule, stages=self.stages, microbatches=self.microbatches, backward=backward
+      self.schedule,
+      stages=self.stages,
+      microbatches=self.microbatches,
+      backward=backward,
+      virtual_stages=self.virtual_stages,
     )
 
 
@@ -92,13 +98,17 @@ class Stage:
   left as given, except for opened weights (see ``opened``).
   """
 
-  def __init__(self, config: Config, weights: Any, loss_params: Any = None):
+  def __init__(self, config: Config, weights: Any, loss_params: Any = None, key: Any = None):
     self.config = config
+    self.parts = config.parts
+    self.key = key
     self.axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
     self.index = jax.lax.axis_index(config.axis_name)
     self.first = self.index == 0
     self.last = self.index == config.stages - 1
     weights = jax.tree.map(lambda a: self.own(a[0]), weights)  # this stage's slice
+    self.chunks = config.virtual_stages or 1
+    self.per_chunk = jax.tree.leaves(weights)[0].shape[0] // self.chunks
     self.weights = Params(weights, config.reduce, self.opened)
     self.loss_params = Params(jax.tree.map(self.own, loss_params), config.reduce, self.opened)
 
@@ -107,6 +117,17 @@ class Stage:
     varying = jax.typeof(x).manual_axis_type.varying
     missing = tuple(a for a in (self.config.axis_name, *axes) if a not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  def call(self, params: Any, h: Any, m: Any) -> Any:
+    """``stage_fn`` on micro-batch ``m``: with its key, if the pipeline was given one."""
+    if self.key is None:
+      return self.config.stage_fn(params, h)
+    return self.config.stage_fn(params, h, self.key_for(m))
+
+  def key_for(self, m: Any) -> Any:
+    """The key of micro-batch ``m`` on this stage: ``key`` folded with ``m``, then the stage."""
+    fold = lambda k: jax.random.fold_in(jax.random.fold_in(k, m), self.index)
+    return jax.tree.map(fold, self.key)
 
   def opened(self, x: jax.Array) -> jax.Array:
     """An opened (gathered or read) weight, typed as each device's own over every manual axis.
@@ -169,10 +190,45 @@ class Stage:
     return jax.tree.map(mine, tree)
 
   def shift(self, tree: Any, direction: int) -> Any:
-    """``tree`` from each stage to the next (``direction=1``) or the previous one (``-1``)."""
+    """``tree`` from each stage to the next (``direction=1``) or the previous one (``-1``).
+
+    With chunks (interleaved) the ends meet: the last stage's chunk hands on to
+    the first stage's next chunk, and cotangents go the other way.
+    """
     stages = self.config.stages
-    pairs = [(s, s + direction) for s in range(stages) if 0 <= s + direction < stages]
+    if self.chunks > 1:
+      pairs = [(s, (s + direction) % stages) for s in range(stages)]
+    else:
+      pairs = [(s, s + direction) for s in range(stages) if 0 <= s + direction < stages]
     return jax.lax.ppermute(tree, self.config.axis_name, pairs)
+
+  def chunk_of(self, tree: Any, k: Any) -> Any:
+    """Chunk ``k`` of the stage's layers (their leading axis): the whole stack for one chunk."""
+    if self.chunks == 1:
+      return tree
+    n = self.per_chunk
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, k * n, n, 0), tree)
+
+  def added(self, active: jax.Array, sums: list[Any], grads: list[Any], k: Any) -> list[Any]:
+    """``sums`` with the gradients of chunk ``k`` added where they belong, if ``active``."""
+    if self.chunks == 1:
+      return _added(active, sums, grads)
+    n = self.per_chunk
+
+    def add(s, g):
+      part = jax.lax.dynamic_slice_in_dim(s, k * n, n, 0)
+      part = part + jnp.where(active, g.astype(s.dtype), jnp.zeros_like(part))
+      return jax.lax.dynamic_update_slice_in_dim(s, part, k * n, 0)
+
+    return [add(s, g) for s, g in zip(sums, grads, strict=True)]
+
+  def first_chunk(self, k: Any) -> jax.Array:
+    """Whether chunk ``k`` of this stage is the first virtual stage (reads ``x``)."""
+    return self.first & (k == 0)
+
+  def last_chunk(self, k: Any) -> jax.Array:
+    """Whether chunk ``k`` of this stage is the last virtual stage (computes the loss)."""
+    return self.last & (k == self.chunks - 1)
 
 
 class Params:
@@ -306,17 +362,69 @@ class Residuals:
     return cls(children[0], *aux)
 
 
-def _known(consts) -> list[Any]:
-  """The arrays every micro-batch shares, which a VJP may keep: found by identity, not stored."""
-  return jax.tree.leaves((consts["wd"], consts["wf"], consts["ld"], consts["lf"]))
+def _known(stage: Stage, consts, k) -> list[Any]:
+  """The arrays every micro-batch shares, which a VJP may keep: found by identity, not stored.
+
+  Chunk ``k`` of the weights (interleaved) counts: it is cut again, the same,
+  when the pullback is rebuilt.
+  """
+  chunk = stage.chunk_of((consts["wd"], consts["wf"]), k)
+  return jax.tree.leaves((consts["wd"], consts["wf"], consts["ld"], consts["lf"], chunk))
 
 
-def _forward(stage: Stage, consts, h) -> tuple[Any, Residuals]:
-  """One micro-batch through the stage: its output and its VJP."""
-  wf = consts["wf"]
-  apply = lambda diff, h: stage.config.stage_fn(stage.weights.join(diff, wf), h)
-  h_out, pullback = jax.vjp(apply, consts["wd"], h)
-  return h_out, Residuals.of(pullback, _known(consts))
+class Parts(NamedTuple):
+  """Which leaves of the activations are differentiated: the inexact ones.
+
+  Integer leaves (random keys, positions, masks carried from stage to stage)
+  move with the activations but take no cotangent.
+  """
+
+  treedef: Any
+  inexact: tuple[bool, ...]
+
+  @classmethod
+  def of(cls, tree: Any) -> Parts:
+    leaves, treedef = jax.tree.flatten(tree)
+    return cls(treedef, tuple(_inexact(leaf) for leaf in leaves))
+
+  def diff(self, tree: Any) -> list[Any]:
+    """The inexact leaves of ``tree`` (a tree of the activations' form), in order."""
+    leaves = self.treedef.flatten_up_to(tree)
+    return [leaf for leaf, d in zip(leaves, self.inexact, strict=True) if d]
+
+  def join(self, diff: list[Any], tree: Any) -> Any:
+    """``tree`` with its inexact leaves replaced by ``diff``."""
+    parts = iter(diff)
+    leaves = self.treedef.flatten_up_to(tree)
+    return self.treedef.unflatten(
+      [next(parts) if d else leaf for leaf, d in zip(leaves, self.inexact, strict=True)]
+    )
+
+  def cotangent(self, diff: list[Any]) -> Any:
+    """The cotangent of a tree of the activations' form: ``diff``, ``None`` for the rest."""
+    parts = iter(diff)
+    return self.treedef.unflatten([next(parts) if d else None for d in self.inexact])
+
+
+def _inexact(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _forward(stage: Stage, consts, h, m, k) -> tuple[Any, Residuals]:
+  """Micro-batch ``m`` through chunk ``k`` of the stage: its output and its VJP.
+
+  The VJP is of the chunk's weights and the inexact leaves of the activations.
+  """
+  wd, wf = stage.chunk_of((consts["wd"], consts["wf"]), k)
+  parts = stage.parts
+
+  def apply(diff, hd):
+    out = stage.call(stage.weights.join(diff, wf), parts.join(hd, h), m)
+    return parts.diff(out), out
+
+  _, pullback, h_out = jax.vjp(apply, wd, parts.diff(h), has_aux=True)
+  return h_out, Residuals.of(pullback, _known(stage, consts, k))
 
 
 class Form(NamedTuple):
@@ -334,7 +442,7 @@ class Form(NamedTuple):
 
     def trace(consts):
       h = jax.tree.map(lambda x: x[0], consts["xs"])
-      h_out, residuals = _forward(stage, consts, h)
+      h_out, residuals = _forward(stage, consts, h, 0, 0)
       found.append((residuals.treedef, residuals.where))
       return h_out, residuals.stored
 
@@ -342,19 +450,19 @@ class Form(NamedTuple):
     check_output(output, jax.tree.map(lambda x: x[0], consts["xs"]))
     return cls(output, tuple(stored), *found[0])
 
-  def forward(self, stage: Stage, consts, h) -> tuple[Any, list[jax.Array]]:
-    h_out, residuals = _forward(stage, consts, h)
+  def forward(self, stage: Stage, consts, h, slot: Slot) -> tuple[Any, list[jax.Array]]:
+    h_out, residuals = _forward(stage, consts, h, slot.m, slot.chunk)
     assert residuals.where == self.where, "a stage's VJP changed form between two traces"
     return h_out, residuals.stored
 
-  def pullback(self, consts, stored: list[jax.Array]) -> Callable:
-    return Residuals(stored, self.treedef, self.where).pullback(_known(consts))
+  def pullback(self, stage: Stage, consts, stored: list[jax.Array], k) -> Callable:
+    return Residuals(stored, self.treedef, self.where).pullback(_known(stage, consts, k))
 
 
 def check_output(output: Any, h: Any) -> None:
   """Raises unless ``stage_fn`` returned activations like those it received."""
-  want = jax.tree.map(lambda a: (tuple(a.shape), np.dtype(a.dtype)), h)
-  got = jax.tree.map(lambda a: (tuple(a.shape), np.dtype(a.dtype)), output)
+  want = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), h)
+  got = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), output)
   if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
     raise ValueError(
       f"stage_fn returned {_shapes(got)} for a micro-batch of {_shapes(want)}: a stage's "
@@ -389,19 +497,39 @@ def _added(active: jax.Array, sums: list[Any], grads: list[Any]) -> list[Any]:
   return [add(s, g) for s, g in zip(sums, grads, strict=True)]
 
 
+class Slot(NamedTuple):
+  """What a stage runs in one slot of a tick (traced: read from the timetable)."""
+
+  m: jax.Array  #: the micro-batch, -1 for none (the bubble)
+  chunk: jax.Array  #: which chunk of the stage's layers (interleaved; else 0)
+  entry: jax.Array  #: where the micro-batch's saved activations live (``Timetable.ring``)
+
+  @property
+  def active(self) -> jax.Array:
+    return self.m >= 0
+
+  def valid(self) -> Slot:
+    """The slot with micro-batch 0 in place of none: a bubble computes on stale inputs."""
+    return self._replace(m=jnp.maximum(self.m, 0))
+
+
 def _ticks(stage: Stage, table: Timetable, consts, state, forward_slot, backward_slot):
   """Runs ``table``'s phases: each tick, the slots the phase needs, then the hand-offs."""
-  forward = jnp.asarray(table.forward)
-  backward = jnp.asarray(table.backward)
+  ring_f, ring_b, _ = table.ring()
+  tables = [
+    [jnp.asarray(a) for a in (table.forward, table.chunk(False), ring_f)],
+    [jnp.asarray(a) for a in (table.backward, table.chunk(True), ring_b)],
+  ]
+  slot = lambda kind, t: Slot(*(a[t, stage.index] for a in tables[kind]))
 
   def tick(phase, state, t):
     if phase.forward:
       with jax.named_scope(FORWARD_SLOT):
-        state = forward_slot(state, consts, forward[t, stage.index])
+        state = forward_slot(state, consts, slot(0, t))
       state["act"] = stage.shift(state["sent_act"], 1)
     if phase.backward:
       with jax.named_scope(BACKWARD_SLOT):
-        state = backward_slot(state, consts, backward[t, stage.index])
+        state = backward_slot(state, consts, slot(1, t))
       state["cot"] = stage.shift(state["sent_cot"], -1)
     return state, None
 
@@ -412,58 +540,64 @@ def _ticks(stage: Stage, table: Timetable, consts, state, forward_slot, backward
   return state
 
 
-def _input(stage: Stage, state, consts, m):
-  """Micro-batch ``m``'s input: ``x``'s on the first stage, the activations received elsewhere."""
-  return jax.tree.map(lambda x, a: jnp.where(stage.first, x, a), _at(consts["xs"], m), state["act"])
+def _input(stage: Stage, state, consts, slot: Slot):
+  """The slot's input: ``x``'s on the first (virtual) stage, the activations received elsewhere."""
+  first = stage.first_chunk(slot.chunk)
+  return jax.tree.map(lambda x, a: jnp.where(first, x, a), _at(consts["xs"], slot.m), state["act"])
 
 
-def fused_program(config: Config, weights, loss_params, x, targets):
+def fused_program(config: Config, weights, loss_params, x, targets, key):
   """The whole step on one stage: ``(loss, (weights', loss_params', x's gradients))``.
 
   The last stage computes each micro-batch's loss, and its gradient, in the
   micro-batch's forward slot; backward slots then run as the schedule says.
+  ``x``'s gradients are those of its inexact leaves, in order.
   """
-  stage = Stage(config, weights, loss_params)
+  stage = Stage(config, weights, loss_params, key)
   table = config.timetable(backward=True)
   slots = table.in_flight
   loss_fn = config.loss_fn
   assert loss_fn is not None, "the fused program computes the loss in the last stage"
   consts = stage.consts(x, targets)
   form = Form.of(stage, consts)
+  parts = stage.parts
   state = {
     "act": jax.tree.map(stage.zeros, form.output),
-    "cot": jax.tree.map(stage.zeros, form.output),
+    "cot": [stage.zeros(h) for h in parts.diff(form.output)],
     "stored": [stage.zeros(r, lead=slots) for r in form.stored],
-    "dys": jax.tree.map(lambda h: stage.zeros(h, lead=slots), form.output),
+    "dys": [stage.zeros(h, lead=slots) for h in parts.diff(form.output)],
     "losses": stage.zeros(jax.ShapeDtypeStruct((config.microbatches,), jnp.float32)),
-    "dxs": jax.tree.map(stage.zeros, consts["xs"]),
+    "dxs": [stage.zeros(x) for x in parts.diff(consts["xs"])],
     "gw": stage.weights.accumulators(stage.zeros),
     "gl": stage.loss_params.accumulators(stage.zeros),
   }
   state["sent_act"], state["sent_cot"] = state["act"], state["cot"]
 
-  def forward_slot(state, consts, m):
-    state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, m))
+  def forward_slot(state, consts, slot):
+    state, active, slot = dict(state), slot.active, slot.valid()
+    m = slot.m
+    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, slot), slot)
     state["sent_act"] = h_out
-    state["stored"] = _masked(active, state["stored"], stored, m % slots)
+    state["stored"] = _masked(active, state["stored"], stored, slot.entry)
     targets = _at(consts["ts"], m)
 
-    def head(diff, h):  # this micro-batch's share of the mean over micro-batches
+    def head(diff, hd):  # this micro-batch's share of the mean over micro-batches
+      h = parts.join(hd, h_out)
       loss = loss_fn(stage.loss_params.join(diff, consts["lf"]), h, *targets)
       return loss / config.microbatches, loss
 
     (_, loss), (dl, dh) = jax.value_and_grad(head, argnums=(0, 1), has_aux=True)(
-      consts["ld"], h_out
+      consts["ld"], parts.diff(h_out)
     )
-    mine = active & stage.last  # every stage computes the loss; the last one's counts
+    # Every stage computes the loss; the last (virtual) stage's counts.
+    mine = active & stage.last_chunk(slot.chunk)
     state["losses"] = _masked(mine, state["losses"], loss.astype(jnp.float32), m)
-    state["dys"] = _masked(mine, state["dys"], dh, m % slots)
+    state["dys"] = _masked(mine, state["dys"], dh, slot.entry)
     state["gl"] = _added(mine, state["gl"], dl)
     return state
 
   backward_slot = _backward_slot(
-    stage, form, lambda state, m: _at((state["stored"], state["dys"]), m % slots)
+    stage, form, lambda state, slot: _at((state["stored"], state["dys"]), slot.entry)
   )
   state = _ticks(stage, table, consts, state, forward_slot, backward_slot)
   loss = stage.only(stage.last, jnp.mean(state["losses"]))
@@ -472,9 +606,9 @@ def fused_program(config: Config, weights, loss_params, x, targets):
   return loss, (gw, gl, dx)
 
 
-def forward_program(config: Config, found: list[Any], weights, x):
+def forward_program(config: Config, found: list[Any], weights, x, key):
   """GPipe's first half: ``(last stage's output, stored residuals)``; their form to ``found``."""
-  stage = Stage(config, weights)
+  stage = Stage(config, weights, key=key)
   slots = config.microbatches
   consts = stage.consts(x)
   form = Form.of(stage, consts)
@@ -485,12 +619,12 @@ def forward_program(config: Config, found: list[Any], weights, x):
   }
   state["sent_act"] = state["act"]
 
-  def forward_slot(state, consts, m):
-    state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, m))
+  def forward_slot(state, consts, slot):
+    state, active, slot = dict(state), slot.active, slot.valid()
+    h_out, stored = form.forward(stage, consts, _input(stage, state, consts, slot), slot)
     state["sent_act"] = h_out
-    state["stored"] = _masked(active, state["stored"], stored, m)
-    state["ys"] = _masked(active, state["ys"], h_out, m)
+    state["stored"] = _masked(active, state["stored"], stored, slot.m)
+    state["ys"] = _masked(active, state["ys"], h_out, slot.m)
     return state
 
   state = _ticks(stage, config.timetable(backward=False), consts, state, forward_slot, None)
@@ -500,7 +634,10 @@ def forward_program(config: Config, found: list[Any], weights, x):
 
 
 def backward_program(config: Config, treedef, where, stored, weights, x, dy):
-  """GPipe's second half: ``(weights' gradient, x's gradient)`` from the stored residuals."""
+  """GPipe's second half: ``(weights' gradient, x's gradient)`` from the stored residuals.
+
+  ``dy`` and ``x``'s gradient are those of the inexact leaves, in order.
+  """
   stage = Stage(config, weights)
   full = config.timetable(backward=True)
   turn = config.microbatches + config.stages - 2  # the tick of the last forward pass
@@ -509,32 +646,35 @@ def backward_program(config: Config, treedef, where, stored, weights, x, dy):
   form = Form(None, (), treedef, where)
   dys = stage.split(dy)
   state = {
-    "cot": jax.tree.map(lambda d: stage.zeros(d[0]), dys),
+    "cot": [stage.zeros(d[0]) for d in dys],
     "stored": [stage.own(r[0]) for r in stored],
-    "dxs": jax.tree.map(stage.zeros, consts["xs"]),
+    "dxs": [stage.zeros(x) for x in stage.parts.diff(consts["xs"])],
     "gw": stage.weights.accumulators(stage.zeros),
   }
   state["sent_cot"] = state["cot"]
 
-  backward_slot = _backward_slot(stage, form, lambda state, m: _at((state["stored"], dys), m))
+  backward_slot = _backward_slot(
+    stage, form, lambda state, slot: _at((state["stored"], dys), slot.m)
+  )
   return _gradients(stage, _ticks(stage, table, consts, state, None, backward_slot))
 
 
 def _backward_slot(stage: Stage, form: Form, saved: Callable[..., Any]) -> Callable[..., Any]:
   """A backward slot: micro-batch ``m``'s pullback applied to its output's cotangent.
 
-  ``saved(state, m)`` gives the micro-batch's stored residuals and the loss's
-  cotangent of its output, which the last stage uses; the others use the
-  cotangent the next stage sent.
+  ``saved(state, slot)`` gives the micro-batch's stored residuals and the
+  loss's cotangent of its output, which the last (virtual) stage uses; the
+  others use the cotangent the next one sent.
   """
 
-  def backward_slot(state, consts, m):
-    state, active, m = dict(state), m >= 0, jnp.maximum(m, 0)
-    stored, dys = saved(state, m)
-    cotangent = jax.tree.map(lambda d, c: jnp.where(stage.last, d, c), dys, state["cot"])
-    dw, dh = form.pullback(consts, stored)(cotangent)
-    state["gw"] = _added(active, state["gw"], dw)
-    state["dxs"] = _masked(active, state["dxs"], dh, m)
+  def backward_slot(state, consts, slot):
+    state, active, slot = dict(state), slot.active, slot.valid()
+    stored, dys = saved(state, slot)
+    last = stage.last_chunk(slot.chunk)
+    cotangent = [jnp.where(last, d, c) for d, c in zip(dys, state["cot"], strict=True)]
+    dw, dh = form.pullback(stage, consts, stored, slot.chunk)(cotangent)
+    state["gw"] = stage.added(active, state["gw"], dw, slot.chunk)
+    state["dxs"] = _masked(active & (slot.chunk == 0), state["dxs"], dh, slot.m)
     state["sent_cot"] = dh
     return state
 

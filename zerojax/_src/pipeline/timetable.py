@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 #: The schedules ``zerojax.pipeline`` runs.
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 class Phase(NamedTuple):
@@ -43,6 +43,9 @@ class Timetable(NamedTuple):
       the stage runs in that tick, or -1.
     backward: ``(ticks, stages)``: the same for backward passes (a tick's
       forward slot runs before its backward slot).
+    forward_chunk: ``(ticks, stages)``: which of the stage's chunks (virtual
+      stages, ``"interleaved"``) the forward slot runs; ``None``: one chunk.
+    backward_chunk: the same for backward slots.
 
   Example:
     >>> import zerojax
@@ -57,6 +60,8 @@ class Timetable(NamedTuple):
 
   forward: np.ndarray
   backward: np.ndarray
+  forward_chunk: np.ndarray | None = None
+  backward_chunk: np.ndarray | None = None
 
   @property
   def ticks(self) -> int:
@@ -71,22 +76,47 @@ class Timetable(NamedTuple):
     return int(max(self.forward.max(), self.backward.max())) + 1
 
   @property
+  def chunks(self) -> int:
+    """The chunks (virtual stages) each stage holds: 1 but for ``"interleaved"``."""
+    return 1 if self.forward_chunk is None else int(self.forward_chunk.max()) + 1
+
+  def chunk(self, backward: bool) -> np.ndarray:
+    """``forward_chunk`` (or ``backward_chunk``), zeros where there is none."""
+    table = self.backward_chunk if backward else self.forward_chunk
+    return np.zeros_like(self.forward) if table is None else table
+
+  @property
   def in_flight(self) -> int:
-    """The most micro-batches whose activations one stage holds at once.
+    """The most micro-batches (chunks of them, interleaved) whose activations a stage holds.
 
     Counted after each tick's forward slot: a micro-batch is held from its
     forward pass to its backward pass. With forward slots only (the first half
     of ``"gpipe"`` without the loss inside) every micro-batch is held.
     """
-    most = 0
+    return self.ring()[2]
+
+  def ring(self) -> tuple[np.ndarray, np.ndarray, int]:
+    """Where each slot keeps its micro-batch's saved activations, in a ring of ``in_flight``.
+
+    Returns ``(forward, backward, size)``: the ring entry each tick's forward
+    slot writes and its backward slot reads, per stage (0 where the slot has
+    no micro-batch), and the entries needed. A forward pass takes the lowest
+    free entry and its backward pass frees it.
+    """
+    ring_f, ring_b = np.zeros_like(self.forward), np.zeros_like(self.backward)
+    chunk_f, chunk_b = self.chunk(False), self.chunk(True)
+    size = 0
     for stage in range(self.stages):
-      held: set[int] = set()
+      held: dict[tuple[int, int], int] = {}
       for tick in range(self.ticks):
-        held.add(int(self.forward[tick, stage]))
-        held.discard(-1)
-        most = max(most, len(held))
-        held.discard(int(self.backward[tick, stage]))
-    return most
+        m, k = int(self.forward[tick, stage]), int(chunk_f[tick, stage])
+        if m >= 0:
+          held[m, k] = ring_f[tick, stage] = min(set(range(len(held) + 1)) - set(held.values()))
+        size = max(size, len(held))
+        m, k = int(self.backward[tick, stage]), int(chunk_b[tick, stage])
+        if m >= 0:  # 0 if the table lacks the forward pass (GPipe's second half alone)
+          ring_b[tick, stage] = held.pop((m, k), 0)
+    return ring_f, ring_b, size
 
   def phases(self) -> list[Phase]:
     """The runs of consecutive ticks that need the same kinds of slots, in order."""
@@ -114,13 +144,21 @@ class Timetable(NamedTuple):
       forward_cost * phase.forward + backward_cost * phase.backward for phase in self.phases()
     ]
     total = sum(cost * (p.stop - p.start) for cost, p in zip(costs, self.phases(), strict=True))
-    has_backward = bool((self.backward >= 0).any())
-    work = self.microbatches * (forward_cost + backward_cost * has_backward)
-    return 1.0 - work / total
+    # A stage's own slots (each of a chunk: 1/chunks of a stage's layers, as every slot is).
+    work = (
+      forward_cost * (self.forward[:, 0] >= 0).sum()
+      + backward_cost * (self.backward[:, 0] >= 0).sum()
+    )
+    return 1.0 - float(work) / total
 
 
 def pipeline_timetable(
-  schedule: str, *, stages: int, microbatches: int, backward: bool = True
+  schedule: str,
+  *,
+  stages: int,
+  microbatches: int,
+  backward: bool = True,
+  virtual_stages: int | None = None,
 ) -> Timetable:
   """The tick-by-tick timetable of ``schedule`` for ``stages`` stages and ``microbatches``.
 
@@ -134,12 +172,28 @@ def pipeline_timetable(
   stage ``s`` for ``2 (S - 1 - s)`` ticks: at most ``2 S - 1`` micro-batches
   at once, where GPipe holds all ``M``.
 
+  ``"interleaved"`` (Megatron-LM's interleaved 1F1B; MaxText's circular
+  pipeline) gives each stage ``v = virtual_stages`` chunks of its layers:
+  chunk ``k`` of stage ``s`` is virtual stage ``k S + s``, and a micro-batch
+  passes through the ``v S`` virtual stages in order, from the last stage
+  back to the first between chunks. Micro-batches go in groups of ``S``
+  (``M`` must divide by ``S``): stage ``s`` runs its ``q``-th forward slot
+  at tick ``q + s``, taking chunk 0 of the group's ``S`` micro-batches,
+  then chunk 1, ..., and its ``r``-th backward slot at tick
+  ``v S - 1 + r + S - 1 - s``, chunks in reverse; every hand-off takes one
+  tick, and the last virtual stage's backward pass shares its forward's
+  tick. Each kind of slot idles ``S - 1`` of ``v M + S - 1`` ticks, a slot
+  being a chunk's work: the bubble ``(S - 1) / (v M + S - 1)``, Megatron's
+  ``(S - 1) / (v M)`` of the ideal time. With ``v = 1`` it is ``"1f1b"``.
+
   Args:
-    schedule: ``"gpipe"`` or ``"1f1b"``.
+    schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
     stages: the number of stages (the size of the stage axis).
     microbatches: the number of micro-batches.
     backward: ``False`` for the forward passes alone (GPipe's first half,
       when the loss is computed after the pipeline).
+    virtual_stages: ``"interleaved"``'s chunks per stage (required there,
+      not allowed elsewhere).
 
   Returns:
     The ``Timetable``.
@@ -153,7 +207,11 @@ def pipeline_timetable(
   for name, value in (("stages", stages), ("microbatches", microbatches)):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
+  check_virtual_stages(schedule, virtual_stages, stages, microbatches)
   S, M = stages, microbatches  # noqa: N806 (the papers' names)
+  if schedule == "interleaved":
+    assert virtual_stages is not None
+    return _interleaved(S, M, virtual_stages, backward)
   turn = M + S - 2  # the tick of the last forward pass
   if not backward:
     ticks = turn + 1
@@ -171,6 +229,46 @@ def pipeline_timetable(
           turn + (M - 1 - m) + (S - 1 - s) if schedule == "gpipe" else m + 2 * (S - 1) - s, s
         ] = m
   return Timetable(forward, back)
+
+
+def _interleaved(S: int, M: int, v: int, backward: bool) -> Timetable:  # noqa: N803
+  """The interleaved timetable (see ``pipeline_timetable``)."""
+  start = v * S - 1  # the tick of the first backward slot: the last virtual stage's first
+  ticks = start + v * M + S - 1 if backward else v * M + S - 1
+  tables = [np.full((ticks, S), -1, np.int32) for _ in range(2)]
+  chunks = [np.zeros((ticks, S), np.int32) for _ in range(2)]
+  groups = range(M // S)
+  order = [(g * S + i, k) for g in groups for k in range(v) for i in range(S)]
+  for q, (m, k) in enumerate(order):
+    for s in range(S):
+      tables[0][q + s, s], chunks[0][q + s, s] = m, k
+  if backward:
+    order = [(g * S + i, k) for g in groups for k in reversed(range(v)) for i in range(S)]
+    for r, (m, k) in enumerate(order):
+      for s in range(S):
+        tables[1][start + r + S - 1 - s, s], chunks[1][start + r + S - 1 - s, s] = m, k
+  return Timetable(tables[0], tables[1], chunks[0], chunks[1])
+
+
+def check_virtual_stages(schedule: str, virtual_stages: Any, stages: int, microbatches: int):
+  """Raises unless ``virtual_stages`` suits ``schedule``, saying what to pass."""
+  if schedule != "interleaved":
+    if virtual_stages is not None:
+      raise ValueError(
+        f"virtual_stages={virtual_stages!r} is the interleaved schedule's: pass "
+        "schedule='interleaved', or drop virtual_stages."
+      )
+    return
+  if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
+    raise ValueError(
+      "schedule='interleaved' splits each stage's layers into chunks (virtual stages): pass "
+      f"virtual_stages=v, a positive int such as 2, got {virtual_stages!r}."
+    )
+  if microbatches % stages:
+    raise ValueError(
+      f"schedule='interleaved' runs micro-batches in groups of the {stages} stages, and "
+      f"{microbatches} micro-batches do not divide into them: use a multiple of {stages}."
+    )
 
 
 def check_schedule(schedule: Any) -> None:

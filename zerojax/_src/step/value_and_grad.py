@@ -274,9 +274,7 @@ def _accumulate(micro_step, batch, microbatches, summed, axes):
     loss, aux, grads = micro_step(batch)
     return loss, jax.tree.map(lambda a: jnp.asarray(a)[None], aux), grads
   chunks = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
-  zeros = jax.tree.map(
-    lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying"), summed
-  )
+  zeros = jax.tree.map(lambda s: jax.lax.pcast(_zeros(s), axes, to="varying"), summed)
 
   def body(total, chunk):
     loss, aux, grads = micro_step(chunk)
@@ -284,6 +282,13 @@ def _accumulate(micro_step, batch, microbatches, summed, axes):
 
   grads, (losses, aux) = jax.lax.scan(body, zeros, chunks)
   return jnp.mean(losses), aux, grads
+
+
+def _zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
+  """Zeros typed as ``like``, placed as it is over explicit mesh axes (pipeline stages)."""
+  spec = tuple(getattr(like.sharding, "spec", None) or ())
+  placed = {"out_sharding": P(*spec)} if any(e is not None for e in spec) else {}
+  return jnp.zeros(like.shape, like.dtype, **placed)
 
 
 def _reshard(tree, specs, mesh):
