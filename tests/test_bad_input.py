@@ -75,6 +75,11 @@ def mismatched_batch(types):
   _step(tx, _w(tx), jnp.ones((16, 4)), {"y": jnp.ones((8, 1024))})
 
 
+def keys_one_per_device(types):
+  tx = zerojax.zero2(optax.sgd(0.1), mesh=_mesh(types))
+  _step(tx, _w(tx), jnp.ones((64, 4)), jax.random.split(jax.random.key(0), tx.num_shards))
+
+
 def unplaced_padded_params(types):
   tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types), min_shard_size=1)
   zerojax.value_and_grad(lambda p, x: jnp.sum(x), tx)({"w": jnp.ones((7, 13))}, jnp.ones((8, 4)))
@@ -330,6 +335,8 @@ CASES = {
   ),
   "... times 4 micro-batches": indivisible_micro_batches,
   "batch argument 1['y'] has 8 rows but batch argument 0 has 16": mismatched_batch,
+  "batch argument 1 has 8 rows but batch argument 0 has 64 ... one key per example, "
+  "jax.random.split(key, 64)": keys_one_per_device,
   "params['w'] has shape (7, 13) but stage 3 stores it as (7, 16)": unplaced_padded_params,
   "params['w'] lives on a mesh of {'data': 4}, not on this transformation's mesh": (
     params_of_another_mesh_in_jit

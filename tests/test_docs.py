@@ -11,9 +11,13 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
+
+import pytest
 
 import zerojax
 import zerojax.flax
+from tests import environment
 from tests.environment import ROOT
 
 DOCS = ROOT / "docs"
@@ -46,6 +50,39 @@ def test_readme_quickstart_runs_as_pasted_and_the_loss_falls(tmp_path):
   assert len(losses) == 5
   assert all(later < earlier for earlier, later in itertools.pairwise(losses))
   assert losses[-1] < losses[0] / 10
+
+
+#: The pages whose Python snippets that print are run, each in a fresh process on 8 CPU devices.
+PRINTING_PAGES = ("guide.md", "flax.md")
+
+
+def printing_snippets(page: str) -> list[str]:
+  """The Python blocks of ``page`` that call ``print``, dedented (a block may be in a list)."""
+  text = (DOCS / page).read_text()
+  blocks = re.findall(r"^( *)```python\n(.*?)^\1```$", text, flags=re.MULTILINE | re.DOTALL)
+  return [textwrap.dedent(block) for _, block in blocks if "print(" in block]
+
+
+SNIPPETS = [(page, i) for page in PRINTING_PAGES for i in range(len(printing_snippets(page)))]
+
+
+@pytest.mark.parametrize(("page", "index"), SNIPPETS, ids=[f"{p}-{i}" for p, i in SNIPPETS])
+def test_docs_snippets_print_what_their_comments_say(page, index, tmp_path):
+  # Each print(...) line ends with a comment that shows what it prints: "print(x)  # 1.00".
+  snippet = printing_snippets(page)[index]
+  shown = re.findall(r"^\s*print\(.*#\s*(.+?)\s*$", snippet, flags=re.MULTILINE)
+  script = tmp_path / "snippet.py"
+  script.write_text(snippet)
+  done = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=tmp_path,
+    env=environment.subprocess_env(devices=8),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.splitlines() == shown
 
 
 def test_public_names_cover_the_package_and_its_public_modules():
