@@ -7,6 +7,7 @@ the right answer anyway, by the first column of the table after it.
 
 import pathlib
 import re
+import tempfile
 import warnings
 
 import flax.linen
@@ -187,6 +188,16 @@ def negative_min_shard_size(types):
 def transformation_as_checkpoint_spec(types):
   tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
   zerojax.CheckpointManager(GUIDE.parent / "_never_created", tx)  # refused before it is made
+
+
+def checkpoint_of_another_optimizer(types):
+  tx = zerojax.zero3(optax.adam(0.1), mesh=_mesh(types))
+  adamw = zerojax.zero3(optax.adamw(0.1), mesh=_mesh(types))
+  with tempfile.TemporaryDirectory() as directory:
+    with zerojax.CheckpointManager(directory, zerojax.train_state_spec(tx, _w(tx))) as saved:
+      saved.save(0, {"params": _w(tx), "opt_state": tx.init(_w(tx))})
+    with zerojax.CheckpointManager(directory, zerojax.train_state_spec(adamw, _w(tx))) as other:
+      other.restore()  # the same leaves as adam's: only the empty states differ
 
 
 def devices_not_whole(types):
@@ -376,6 +387,8 @@ CASES = {
   "TypeError: CheckpointManager's spec is a zerojax.StateSpec, got ZeroTransformation": (
     transformation_as_checkpoint_spec
   ),
+  "does not fit this manager's spec (its containers differ ... opt_state.inner_state: a list "
+  "of 2 in the checkpoint, a list of 3 in the spec": checkpoint_of_another_optimizer,
   "num_devices must be a whole number, at least 1, got 8.5": devices_not_whole,
   "zerojax.pipeline splits x of shape (6, 16) into 4 micro-batches": (
     indivisible_pipeline_micro_batches
@@ -470,8 +483,8 @@ RIGHT_ANSWERS = {
 
 
 def _pattern(fragment: str) -> str:
-  """The regular expression of a table fragment: literal text, ``...`` for anything."""
-  return ".*".join(re.escape(part.strip()) for part in fragment.split("..."))
+  """The regular expression of a table fragment: literal text, ``...`` for anything (lines too)."""
+  return "(?s)" + ".*".join(re.escape(part.strip()) for part in fragment.split("..."))
 
 
 #: What a row may name first; a row that names none is a ``ValueError``.
