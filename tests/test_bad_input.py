@@ -289,14 +289,15 @@ def flax_layers_that_stages_cannot_share(types):
     layers.apply(params, jnp.ones((8, 16)))
 
 
-def _scanned(types, layer, prefetch=1, **options):
+def _scanned(types, layer, prefetch=1, policy=None, **options):
   """A stage-3 step whose loss runs ``layer`` with ``zerojax.scan`` over a stack of 4 layers."""
   mesh = _mesh(types)
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1, **options)
-  params = tx.shard({"w": jnp.ones((4, 8, 8))})
-  loss = lambda p, x: jnp.mean(zerojax.scan(layer, x, p["w"], prefetch=prefetch)[0])
+  params = tx.shard({"w": jnp.linspace(-1, 1, 256).reshape(4, 8, 8)})
+  scan = lambda x, w: zerojax.scan(layer, x, w, prefetch=prefetch, policy=policy)
+  loss = lambda p, x: jnp.mean(scan(x, p["w"])[0])
   grad_fn = zerojax.value_and_grad(loss, tx)
-  jax.jit(grad_fn)(params, jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data"))))
+  return jax.jit(grad_fn)(params, jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data"))))
 
 
 def scan_body_returning_one_value(types):
@@ -305,6 +306,10 @@ def scan_body_returning_one_value(types):
 
 def scan_over_a_split_layer_axis(types):
   _scanned(types, lambda h, w: (jnp.tanh(h @ w), None), layout={"w": P("data")})
+
+
+def misspelt_policy_name(types):
+  _scanned(types, lambda h, w: (jnp.tanh(h @ w), None), policy="dots_saveble")
 
 
 def deferred_reductions_without_prefetch(types):
@@ -419,6 +424,8 @@ CASES = {
   "... whose leading (layer) axis is split over the data axes 'data'": (
     scan_over_a_split_layer_axis
   ),
+  "policy='dots_saveble' names no policy of jax.checkpoint_policies that takes no arguments; "
+  "did you mean 'dots_saveable'?": misspelt_policy_name,
   "defer_reductions=True reduce-scatters each layer's gradient in the next iteration": (
     deferred_reductions_without_prefetch
   ),
@@ -473,12 +480,19 @@ def stored_params_given_to_another_transformation(types):
   ]
 
 
+def policy_by_name(types):
+  layer = lambda h, w: (jnp.tanh(h @ w), None)
+  dots = jax.checkpoint_policies.dots_saveable
+  return [_scanned(types, layer, policy=dots)], [_scanned(types, layer, policy="dots_saveable")]
+
+
 # The first column of the guide's table of mistakes that give the right answer, and for each a
 # function that returns what doing it right gives and what the mistake gives.
 RIGHT_ANSWERS = {
   "tx.shard(tx.shard(params))": shard_twice,
   "tx.update(grads, opt_state, params)": unplaced_gradients,
   "tx2.init(tx1.shard(params))": stored_params_given_to_another_transformation,
+  'zerojax.scan(layer, h, xs, policy="dots_saveable")': policy_by_name,
 }
 
 

@@ -72,7 +72,7 @@ def gathered(target: Any) -> Any:
 
 
 def remat_gathered(
-  target: Any, *, policy: Callable[..., bool] | None = None, **remat_kwargs: Any
+  target: Any, *, policy: Callable[..., bool] | str | None = None, **remat_kwargs: Any
 ) -> Any:
   """``gathered(target)`` under ``nn.remat``, never saving the gathered parameters.
 
@@ -116,7 +116,7 @@ def scan(
   *,
   length: int,
   prefetch: int = 1,
-  policy: Callable[..., bool] | None = None,
+  policy: Callable[..., bool] | str | None = None,
   defer_reductions: bool = False,
 ) -> type[nn.Module]:
   """``nn.scan`` of a layer over stacked parameters, run by ``zerojax.scan``.

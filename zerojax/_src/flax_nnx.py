@@ -135,7 +135,7 @@ def nnx_scan(
   xs: Any = None,
   *,
   prefetch: int = 1,
-  policy: Callable[..., bool] | None = None,
+  policy: Callable[..., bool] | str | None = None,
   defer_reductions: bool = False,
 ) -> tuple[Any, Any]:
   """``zerojax.scan`` over a stack of NNX layers (one module with stacked state, from ``nnx.vmap``).
