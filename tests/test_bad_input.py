@@ -248,6 +248,10 @@ def pipeline_on_a_mesh_without_stages(types):
   _pipelined(mesh, w, jnp.ones((8, 16)), microbatches=2)
 
 
+def zero_over_the_stage_axis(types):
+  zerojax.zero3(optax.sgd(0.1), mesh=_stage_mesh(types), axis_name="stage")
+
+
 def stage_params_not_one_per_stage(types):
   _pipelined(_stage_mesh(types), jnp.ones((3, 16, 16)), jnp.ones((8, 16)), microbatches=2)
 
@@ -403,6 +407,8 @@ CASES = {
   "mesh has no axis 'stage' (its axes are ('data',)) to run the pipeline stages over": (
     pipeline_on_a_mesh_without_stages
   ),
+  "axis_name='stage' names 'stage', the mesh axis zerojax.pipeline runs its stages over ... "
+  "pass axis_name='data'": zero_over_the_stage_axis,
   "stage_params has shape (3, 16, 16), but the mesh's 'stage' axis has 2 stages": (
     stage_params_not_one_per_stage
   ),
