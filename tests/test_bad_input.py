@@ -327,6 +327,21 @@ def hpz_at_stage_2(types):
   zerojax.zero2(optax.sgd(0.1), mesh=mesh, axis_name=("node", "data"), secondary_axis="data")
 
 
+def _hpz(types, shape, secondary_axis):
+  mesh = jax.make_mesh(shape, ("node", "data"), (types, types))
+  zerojax.zero3(
+    optax.sgd(0.1), mesh=mesh, axis_name=("node", "data"), secondary_axis=secondary_axis
+  )
+
+
+def hpz_over_one_device(types):
+  _hpz(types, (8, 1), "data")
+
+
+def hpz_across_nodes(types):
+  _hpz(types, (2, 4), "node")
+
+
 def _stored_by_another(mesh):
   """A (7, 13) leaf as a transformation stores it, padded to (7, 16)."""
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
@@ -436,6 +451,12 @@ CASES = {
     deferred_reductions_without_prefetch
   ),
   "secondary_axis (ZeRO++'s hpZ) keeps a second, intra-node copy": hpz_at_stage_2,
+  "UserWarning: secondary_axis='data' has 1 device (the mesh is {'node': 8, 'data': 1})": (
+    hpz_over_one_device
+  ),
+  "UserWarning: secondary_axis='node' looks like an axis across nodes (its name says so)": (
+    hpz_across_nodes
+  ),
   "these parameters are stored (padded) by another zerojax transformation, in a layout this "
   "one does not use": stored_params_of_another_layout,
   "inside jax.jit under a mesh of Auto axes their placement cannot say whether they are "
@@ -570,6 +591,41 @@ def test_evaluation_runs_on_gathered_parameters_not_on_the_stored_shards(types):
   if types == AxisType.Explicit:
     with pytest.raises(Exception, match="Contracting dimensions are sharded"):
       jax.jit(loss_fn)(params, x)
+
+
+def _drop_in(types, unpad):
+  """A drop-in stage-3 step (``jax.value_and_grad``) on a (16, 15) leaf, stored as (16, 16)."""
+  mesh = _mesh(types)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
+  params = tx.shard({"w": jnp.ones((16, 15)), "v": jnp.ones((16, 16))})
+  x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data")))
+  loss = lambda p, x: jnp.mean(x @ p["v"] @ p["w"] @ jnp.ones((15, 1)))
+  return jax.jit(lambda p, x: jax.value_and_grad(loss)(unpad(tx, p), x))(params, x)
+
+
+# What the guide's list of mistakes that raise JAX's errors quotes, the mesh axes it raises on,
+# and the fix it gives: the drop-in path without tx.unpad on Auto axes, and on explicit axes.
+DROP_IN = {
+  "TypeError: dot_general requires contracting dimensions to have the same shape, got (16,) and "
+  "(15,)": (AxisType.Auto, lambda types: _drop_in(types, lambda tx, p: tx.unpad(p))),
+  "ShardingTypeError: dot_general operation with inputs: f32[8@data,16], f32[16,16@data] "
+  "produces an illegally sharded result": (
+    AxisType.Explicit,
+    lambda types: _drop_in(AxisType.Auto, lambda tx, p: tx.unpad(p)),
+  ),
+}
+
+
+@pytest.mark.parametrize("message", DROP_IN)
+def test_drop_in_mistakes_raise_what_the_guide_quotes_and_its_fix_works(message):
+  types, fix = DROP_IN[message]
+  section = " ".join(GUIDE.read_text().split("## Errors you may meet")[1].split())
+  assert message in section
+  kind, text = message.split(": ", 1)
+  with pytest.raises(Exception, match=_pattern(text)) as raised:
+    _drop_in(types, lambda tx, p: p)
+  assert type(raised.value).__name__ == kind
+  fix(types)
 
 
 def test_a_shard_used_without_gather_raises_a_type_error():
