@@ -139,13 +139,21 @@ class _ValueAndGrad:
       params = _reshard(params, plans.params.specs(), settings.mesh)
       batch = _reshard(batch, batch_specs, settings.mesh)
     per_device = lambda params, scale, *batch: self._per_device(plans, params, scale, *batch)
-    loss, aux, grads = jax.shard_map(
+    mapped = jax.shard_map(
       ordering.ordered(settings.mesh, per_device),
       mesh=settings.mesh,
       in_specs=(param_specs, P(), *batch_specs),
       out_specs=(P(), P(settings.batch_axes), grad_specs),
       axis_names=set(settings.batch_axes),
-    )(params, scale, *batch)
+    )
+    if set(settings.mesh.axis_names) - set(settings.batch_axes) and not mesh_lib.is_traced(
+      (params, batch)
+    ):
+      # Called eagerly, a shard_map manual over some axes only runs op by op, and one nested in
+      # it (zerojax.pipeline's, over the stage axis) fails inside JAX's eager shard_map: run
+      # the step compiled, as under jax.jit.
+      mapped = jax.jit(mapped)
+    loss, aux, grads = mapped(params, scale, *batch)
     return ((loss, aux), grads) if self.has_aux else (loss, grads)
 
   def _per_device(self, plans: Plans, params, scale, *batch):
