@@ -19,6 +19,7 @@ spec (``checkpoint_spec``), the layout record and what fits it
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from typing import Any
@@ -130,10 +131,12 @@ class CheckpointManager:
       Whether a save was started.
 
     Raises:
+      TypeError: if ``step`` is not a whole number.
       ValueError: if ``state`` does not match the spec (naming every path
         whose structure, shape or dtype differs), or the step's directory
         name is taken by something that is not a checkpoint.
     """
+    step = _whole_step(step)
     lines = record_lib.differences(self._stored, record_lib.describe(state), ("spec", "state"))
     if lines:
       raise record_lib.listed_error(
@@ -251,6 +254,21 @@ class CheckpointManager:
 
   def __exit__(self, *exc_info: Any) -> None:
     self.close()
+
+
+def _whole_step(step: Any) -> int:
+  """``step`` as an ``int`` (a numpy or JAX integer scalar will do), or a clear error."""
+  try:
+    index = None if isinstance(step, bool) else operator.index(step)
+  except TypeError:
+    index = None
+  if index is None or index < 0:
+    raise TypeError(
+      f"a checkpoint's step is a whole number, 0 or more, got {step!r} "
+      f"({type(step).__name__}): Orbax would name its directory {str(step)!r}, which "
+      "all_steps(), latest_step() and restore() never list. Pass int(step)."
+    )
+  return index
 
 
 class _UnreadableError(Exception):
