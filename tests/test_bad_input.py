@@ -200,6 +200,17 @@ def checkpoint_of_another_optimizer(types):
       other.restore()  # the same leaves as adam's: only the empty states differ
 
 
+def checkpoint_step_not_whole(types):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
+  spec = zerojax.train_state_spec(tx, _w(tx))
+  with tempfile.TemporaryDirectory() as directory, zerojax.CheckpointManager(directory, spec) as m:
+    m.save(1.5, {"params": _w(tx), "opt_state": tx.init(_w(tx))})
+
+
+def collectives_of_a_lowered_step(types):
+  zerojax.diagnostics.count_collectives(jax.jit(lambda x: x * 2).lower(jnp.ones(8)))
+
+
 def devices_not_whole(types):
   zerojax.estimate_memory(7.5e9, num_devices=8.5, stage=3)
 
@@ -413,7 +424,12 @@ CASES = {
   ),
   "does not fit this manager's spec (its containers differ ... opt_state.inner_state: a list "
   "of 2 in the checkpoint, a list of 3 in the spec": checkpoint_of_another_optimizer,
+  "TypeError: a checkpoint's step is a whole number, 0 or more, got 1.5 (float)": (
+    checkpoint_step_not_whole
+  ),
   "num_devices must be a whole number, at least 1, got 8.5": devices_not_whole,
+  "TypeError: the collectives are read from a compiled program, got a lowered program: pass "
+  "jax.jit(step).lower(*args).compile()": collectives_of_a_lowered_step,
   "zerojax.pipeline splits x of shape (6, 16) into 4 micro-batches": (
     indivisible_pipeline_micro_batches
   ),
@@ -513,6 +529,17 @@ def policy_by_name(types):
   return [_scanned(types, layer, policy=dots)], [_scanned(types, layer, policy="dots_saveable")]
 
 
+def pipelined_step_outside_jit(types):
+  mesh = _stage_mesh(types)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
+  params = tx.shard({"w": _staged(mesh, (2, 2, 16, 16)) / 16})
+  loss = lambda p, x: jnp.mean(zerojax.pipeline(_stage, p["w"], x, microbatches=2))
+  step = zerojax.value_and_grad(loss, tx)
+  x = jnp.linspace(0, 1, 128).reshape(8, 16)
+  with jax.set_mesh(mesh):
+    return [jax.jit(step)(params, x)], [step(params, x)]
+
+
 # The first column of the guide's table of mistakes that give the right answer, and for each a
 # function that returns what doing it right gives and what the mistake gives.
 RIGHT_ANSWERS = {
@@ -520,6 +547,7 @@ RIGHT_ANSWERS = {
   "tx.update(grads, opt_state, params)": unplaced_gradients,
   "tx2.init(tx1.shard(params))": stored_params_given_to_another_transformation,
   'zerojax.scan(layer, h, xs, policy="dots_saveable")': policy_by_name,
+  "zerojax.value_and_grad(loss_fn, tx)(params, x)": pipelined_step_outside_jit,
 }
 
 
