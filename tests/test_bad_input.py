@@ -273,6 +273,12 @@ def stage_changes_the_activations_shape(types):
   _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), narrow, microbatches=2)
 
 
+def stage_returns_a_scan_body_s_pair(types):
+  mesh = _stage_mesh(types)
+  pair = lambda w, h: (_stage(w, h), None)
+  _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), pair, microbatches=2)
+
+
 def value_and_grad_under_a_shard_map_over_every_axis(types):
   mesh = _stage_mesh(types)
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
@@ -446,6 +452,8 @@ CASES = {
   "stage_fn returned float32[4, 8] for a micro-batch of float32[4, 16]": (
     stage_changes_the_activations_shape
   ),
+  "stage_fn returned (float32[4, 16], None) for a micro-batch of float32[4, 16] ... Return the "
+  "activations alone": stage_returns_a_scan_body_s_pair,
   "zerojax.value_and_grad was called where the mesh axes ['data'] are already manual": (
     value_and_grad_under_a_shard_map_over_every_axis
   ),
