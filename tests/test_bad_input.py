@@ -211,6 +211,15 @@ def collectives_of_a_lowered_step(types):
   zerojax.diagnostics.count_collectives(jax.jit(lambda x: x * 2).lower(jnp.ones(8)))
 
 
+def load_params_of_one_step_s_directory(types):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
+  spec = zerojax.train_state_spec(tx, _w(tx))
+  with tempfile.TemporaryDirectory() as directory:
+    with zerojax.CheckpointManager(directory, spec) as manager:
+      manager.save(1, {"params": _w(tx), "opt_state": tx.init(_w(tx))})
+    zerojax.load_params(pathlib.Path(directory) / "1")
+
+
 def devices_not_whole(types):
   zerojax.estimate_memory(7.5e9, num_devices=8.5, stage=3)
 
@@ -433,6 +442,9 @@ CASES = {
   "TypeError: a checkpoint's step is a whole number, 0 or more, got 1.5 (float)": (
     checkpoint_step_not_whole
   ),
+  "FileNotFoundError: no checkpoints in ... it is itself a checkpoint, step 1 of ...; pass": (
+    load_params_of_one_step_s_directory
+  ),
   "num_devices must be a whole number, at least 1, got 8.5": devices_not_whole,
   "TypeError: the collectives are read from a compiled program, got a lowered program: pass "
   "jax.jit(step).lower(*args).compile()": collectives_of_a_lowered_step,
@@ -565,7 +577,7 @@ def _pattern(fragment: str) -> str:
 
 
 #: What a row may name first; a row that names none is a ``ValueError``.
-KINDS = (TypeError, UserWarning)
+KINDS = (TypeError, FileNotFoundError, UserWarning)
 
 
 def _kind(fragment: str) -> tuple[type[Exception], str]:
