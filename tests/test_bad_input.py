@@ -108,6 +108,12 @@ def scalar_loss_with_aux(types):
   _step(tx, _w(tx), jnp.ones((8, 4)), has_aux=True)
 
 
+def tx_gather_inside_the_loss(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  loss = lambda params, x: jnp.mean(x @ tx.gather(params)["w"])
+  jax.jit(zerojax.value_and_grad(loss, tx))(_w(tx), jnp.ones((8, 4)))
+
+
 def chain_given_to_value_and_grad(types):
   tx = optax.chain(optax.clip(1.0), zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types)))
   zerojax.value_and_grad(_loss, tx)
@@ -407,6 +413,9 @@ CASES = {
   ),
   "value_and_grad(..., has_aux=True) expects loss_fn to return (loss, aux)": scalar_loss_with_aux,
   "value_and_grad needs the zerojax transformation": chain_given_to_value_and_grad,
+  "TypeError: tx.gather was given zerojax.Shards ... open them with zerojax.gather(params)": (
+    tx_gather_inside_the_loss
+  ),
   "leaf at ['name'] is str, not an array": non_array_leaf,
   "optimizer state leaf ... expected": state_of_another_model,
   "state is a tuple, not a ZeroState": not_a_zero_state,
