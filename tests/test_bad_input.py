@@ -7,6 +7,7 @@ the right answer anyway, by the first column of the table after it.
 
 import pathlib
 import re
+import tempfile
 import warnings
 
 import flax.linen
@@ -76,6 +77,11 @@ def mismatched_batch(types):
   _step(tx, _w(tx), jnp.ones((16, 4)), {"y": jnp.ones((8, 1024))})
 
 
+def keys_one_per_device(types):
+  tx = zerojax.zero2(optax.sgd(0.1), mesh=_mesh(types))
+  _step(tx, _w(tx), jnp.ones((64, 4)), jax.random.split(jax.random.key(0), tx.num_shards))
+
+
 def unplaced_padded_params(types):
   tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types), min_shard_size=1)
   zerojax.value_and_grad(lambda p, x: jnp.sum(x), tx)({"w": jnp.ones((7, 13))}, jnp.ones((8, 4)))
@@ -101,6 +107,12 @@ def integer_leaf(types):
 def scalar_loss_with_aux(types):
   tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
   _step(tx, _w(tx), jnp.ones((8, 4)), has_aux=True)
+
+
+def tx_gather_inside_the_loss(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  loss = lambda params, x: jnp.mean(x @ tx.gather(params)["w"])
+  jax.jit(zerojax.value_and_grad(loss, tx))(_w(tx), jnp.ones((8, 4)))
 
 
 def chain_given_to_value_and_grad(types):
@@ -185,6 +197,36 @@ def transformation_as_checkpoint_spec(types):
   zerojax.CheckpointManager(GUIDE.parent / "_never_created", tx)  # refused before it is made
 
 
+def checkpoint_of_another_optimizer(types):
+  tx = zerojax.zero3(optax.adam(0.1), mesh=_mesh(types))
+  adamw = zerojax.zero3(optax.adamw(0.1), mesh=_mesh(types))
+  with tempfile.TemporaryDirectory() as directory:
+    with zerojax.CheckpointManager(directory, zerojax.train_state_spec(tx, _w(tx))) as saved:
+      saved.save(0, {"params": _w(tx), "opt_state": tx.init(_w(tx))})
+    with zerojax.CheckpointManager(directory, zerojax.train_state_spec(adamw, _w(tx))) as other:
+      other.restore()  # the same leaves as adam's: only the empty states differ
+
+
+def checkpoint_step_not_whole(types):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
+  spec = zerojax.train_state_spec(tx, _w(tx))
+  with tempfile.TemporaryDirectory() as directory, zerojax.CheckpointManager(directory, spec) as m:
+    m.save(1.5, {"params": _w(tx), "opt_state": tx.init(_w(tx))})
+
+
+def collectives_of_a_lowered_step(types):
+  zerojax.diagnostics.count_collectives(jax.jit(lambda x: x * 2).lower(jnp.ones(8)))
+
+
+def load_params_of_one_step_s_directory(types):
+  tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
+  spec = zerojax.train_state_spec(tx, _w(tx))
+  with tempfile.TemporaryDirectory() as directory:
+    with zerojax.CheckpointManager(directory, spec) as manager:
+      manager.save(1, {"params": _w(tx), "opt_state": tx.init(_w(tx))})
+    zerojax.load_params(pathlib.Path(directory) / "1")
+
+
 def devices_not_whole(types):
   zerojax.estimate_memory(7.5e9, num_devices=8.5, stage=3)
 
@@ -257,6 +299,10 @@ def pipeline_on_a_mesh_without_stages(types):
   _pipelined(mesh, w, jnp.ones((8, 16)), microbatches=2)
 
 
+def zero_over_the_stage_axis(types):
+  zerojax.zero3(optax.sgd(0.1), mesh=_stage_mesh(types), axis_name="stage")
+
+
 def stage_params_not_one_per_stage(types):
   _pipelined(_stage_mesh(types), jnp.ones((3, 16, 16)), jnp.ones((8, 16)), microbatches=2)
 
@@ -282,6 +328,12 @@ def pipeline_stage_fn_closing_over_a_key(types):
     jax.jit(lambda w, x, key: zerojax.pipeline(dropout(key), w, x, microbatches=2))(
       w, x, jax.random.key(0)
     )
+
+
+def stage_returns_a_scan_body_s_pair(types):
+  mesh = _stage_mesh(types)
+  pair = lambda w, h: (_stage(w, h), None)
+  _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), pair, microbatches=2)
 
 
 def value_and_grad_under_a_shard_map_over_every_axis(types):
@@ -315,14 +367,15 @@ def flax_layers_that_stages_cannot_share(types):
     layers.apply(params, jnp.ones((8, 16)))
 
 
-def _scanned(types, layer, prefetch=1, **options):
+def _scanned(types, layer, prefetch=1, policy=None, **options):
   """A stage-3 step whose loss runs ``layer`` with ``zerojax.scan`` over a stack of 4 layers."""
   mesh = _mesh(types)
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1, **options)
-  params = tx.shard({"w": jnp.ones((4, 8, 8))})
-  loss = lambda p, x: jnp.mean(zerojax.scan(layer, x, p["w"], prefetch=prefetch)[0])
+  params = tx.shard({"w": jnp.linspace(-1, 1, 256).reshape(4, 8, 8)})
+  scan = lambda x, w: zerojax.scan(layer, x, w, prefetch=prefetch, policy=policy)
+  loss = lambda p, x: jnp.mean(scan(x, p["w"])[0])
   grad_fn = zerojax.value_and_grad(loss, tx)
-  jax.jit(grad_fn)(params, jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data"))))
+  return jax.jit(grad_fn)(params, jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data"))))
 
 
 def scan_body_returning_one_value(types):
@@ -331,6 +384,10 @@ def scan_body_returning_one_value(types):
 
 def scan_over_a_split_layer_axis(types):
   _scanned(types, lambda h, w: (jnp.tanh(h @ w), None), layout={"w": P("data")})
+
+
+def misspelt_policy_name(types):
+  _scanned(types, lambda h, w: (jnp.tanh(h @ w), None), policy="dots_saveble")
 
 
 def deferred_reductions_without_prefetch(types):
@@ -345,6 +402,21 @@ def evaluating_on_stored_params(types):
   jax.jit(loss_fn)(tx.shard({"w": jnp.eye(64)[:8]}), jnp.ones((8, 8)))
 
 
+def _hpz(types, shape, secondary_axis):
+  mesh = jax.make_mesh(shape, ("node", "data"), (types, types))
+  zerojax.zero3(
+    optax.sgd(0.1), mesh=mesh, axis_name=("node", "data"), secondary_axis=secondary_axis
+  )
+
+
+def hpz_over_one_device(types):
+  _hpz(types, (8, 1), "data")
+
+
+def hpz_across_nodes(types):
+  _hpz(types, (2, 4), "node")
+
+
 # The first column of docs/guide.md's errors table, and the misuse that raises each.
 CASES = {
   "mesh has no axis 'dta' (its axes are ('data',)); did you mean axis_name='data'?": axis_name_typo,
@@ -356,6 +428,8 @@ CASES = {
   ),
   "... times 4 micro-batches": indivisible_micro_batches,
   "batch argument 1['y'] has 8 rows but batch argument 0 has 16": mismatched_batch,
+  "batch argument 1 has 8 rows but batch argument 0 has 64 ... one key per example, "
+  "jax.random.split(key, 64)": keys_one_per_device,
   "params['w'] has shape (7, 13) but stage 3 stores it as (7, 16)": unplaced_padded_params,
   "params['w'] lives on a mesh of {'data': 4}, not on this transformation's mesh": (
     params_of_another_mesh_in_jit
@@ -365,6 +439,9 @@ CASES = {
   ),
   "value_and_grad(..., has_aux=True) expects loss_fn to return (loss, aux)": scalar_loss_with_aux,
   "value_and_grad needs the zerojax transformation": chain_given_to_value_and_grad,
+  "TypeError: tx.gather was given zerojax.Shards ... open them with zerojax.gather(params)": (
+    tx_gather_inside_the_loss
+  ),
   "leaf at ['name'] is str, not an array": non_array_leaf,
   "optimizer state leaf ... expected": state_of_another_model,
   "state is a tuple, not a ZeroState": not_a_zero_state,
@@ -395,7 +472,17 @@ CASES = {
   "TypeError: CheckpointManager's spec is a zerojax.StateSpec, got ZeroTransformation": (
     transformation_as_checkpoint_spec
   ),
+  "does not fit this manager's spec (its containers differ ... opt_state.inner_state: a list "
+  "of 2 in the checkpoint, a list of 3 in the spec": checkpoint_of_another_optimizer,
+  "TypeError: a checkpoint's step is a whole number, 0 or more, got 1.5 (float)": (
+    checkpoint_step_not_whole
+  ),
+  "FileNotFoundError: no checkpoints in ... it is itself a checkpoint, step 1 of ...; pass": (
+    load_params_of_one_step_s_directory
+  ),
   "num_devices must be a whole number, at least 1, got 8.5": devices_not_whole,
+  "TypeError: the collectives are read from a compiled program, got a lowered program: pass "
+  "jax.jit(step).lower(*args).compile()": collectives_of_a_lowered_step,
   "zerojax.pipeline splits x of shape (6, 16) into 4 micro-batches": (
     indivisible_pipeline_micro_batches
   ),
@@ -414,6 +501,8 @@ CASES = {
   "mesh has no axis 'stage' (its axes are ('data',)) to run the pipeline stages over": (
     pipeline_on_a_mesh_without_stages
   ),
+  "axis_name='stage' names 'stage', the mesh axis zerojax.pipeline runs its stages over ... "
+  "pass axis_name='data'": zero_over_the_stage_axis,
   "stage_params has shape (3, 16, 16), but the mesh's 'stage' axis has 2 stages": (
     stage_params_not_one_per_stage
   ),
@@ -426,6 +515,8 @@ CASES = {
   "zerojax.pipeline: stage_fn or loss_fn closes over an array from outside the pipeline": (
     pipeline_stage_fn_closing_over_a_key
   ),
+  "stage_fn returned (float32[4, 16], None) for a micro-batch of float32[4, 16] ... Return the "
+  "activations alone": stage_returns_a_scan_body_s_pair,
   "zerojax.value_and_grad was called where the mesh axes ['data'] are already manual": (
     value_and_grad_under_a_shard_map_over_every_axis
   ),
@@ -441,11 +532,19 @@ CASES = {
   "... whose leading (layer) axis is split over the data axes 'data'": (
     scan_over_a_split_layer_axis
   ),
+  "policy='dots_saveble' names no policy of jax.checkpoint_policies that takes no arguments; "
+  "did you mean 'dots_saveable'?": misspelt_policy_name,
   "defer_reductions=True reduce-scatters each layer's gradient in the next iteration": (
     deferred_reductions_without_prefetch
   ),
   "a stage-3 parameter stored as (8, 64), 1/N of it on each device, was used as a whole "
   "array": evaluating_on_stored_params,
+  "UserWarning: secondary_axis='data' has 1 device (the mesh is {'node': 8, 'data': 1})": (
+    hpz_over_one_device
+  ),
+  "UserWarning: secondary_axis='node' looks like an axis across nodes (its name says so)": (
+    hpz_across_nodes
+  ),
 }
 
 # Misuses the table covers with another row's message.
@@ -502,22 +601,41 @@ def stored_params_given_to_another_transformation(types):
   ]
 
 
+def policy_by_name(types):
+  layer = lambda h, w: (jnp.tanh(h @ w), None)
+  dots = jax.checkpoint_policies.dots_saveable
+  return [_scanned(types, layer, policy=dots)], [_scanned(types, layer, policy="dots_saveable")]
+
+
+def pipelined_step_outside_jit(types):
+  mesh = _stage_mesh(types)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
+  params = tx.shard({"w": _staged(mesh, (2, 2, 16, 16)) / 16})
+  loss = lambda p, x: jnp.mean(zerojax.pipeline(_stage, p["w"], x, microbatches=2))
+  step = zerojax.value_and_grad(loss, tx)
+  x = jnp.linspace(0, 1, 128).reshape(8, 16)
+  with jax.set_mesh(mesh):
+    return [jax.jit(step)(params, x)], [step(params, x)]
+
+
 # The first column of the guide's table of mistakes that give the right answer, and for each a
 # function that returns what doing it right gives and what the mistake gives.
 RIGHT_ANSWERS = {
   "tx.shard(tx.shard(params))": shard_twice,
   "tx.update(grads, opt_state, params)": unplaced_gradients,
   "tx2.init(tx1.shard(params))": stored_params_given_to_another_transformation,
+  'zerojax.scan(layer, h, xs, policy="dots_saveable")': policy_by_name,
+  "zerojax.value_and_grad(loss_fn, tx)(params, x)": pipelined_step_outside_jit,
 }
 
 
 def _pattern(fragment: str) -> str:
-  """The regular expression of a table fragment: literal text, ``...`` for anything."""
-  return ".*".join(re.escape(part.strip()) for part in fragment.split("..."))
+  """The regular expression of a table fragment: literal text, ``...`` for anything (lines too)."""
+  return "(?s)" + ".*".join(re.escape(part.strip()) for part in fragment.split("..."))
 
 
 #: What a row may name first; a row that names none is a ``ValueError``.
-KINDS = (TypeError, UserWarning)
+KINDS = (TypeError, FileNotFoundError, UserWarning)
 
 
 def _kind(fragment: str) -> tuple[type[Exception], str]:
@@ -580,6 +698,41 @@ def test_evaluation_runs_on_gathered_parameters_not_on_the_stored_shards(types):
     jax.jit(loss_fn)(params, x)
   with pytest.raises(ValueError, match=r"in a drop-in jax\.grad step, call the model on tx\.unpad"):
     jax.jit(lambda p, x: x @ p["w"])(params, x)
+
+
+def _drop_in(types, unpad):
+  """A drop-in stage-3 step (``jax.value_and_grad``) on a (16, 15) leaf, stored as (16, 16)."""
+  mesh = _mesh(types)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1)
+  params = tx.shard({"w": jnp.ones((16, 15)), "v": jnp.ones((16, 16))})
+  x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data")))
+  loss = lambda p, x: jnp.mean(x @ p["v"] @ p["w"] @ jnp.ones((15, 1)))
+  return jax.jit(lambda p, x: jax.value_and_grad(loss)(unpad(tx, p), x))(params, x)
+
+
+# What the guide's list of mistakes that raise JAX's errors quotes, the mesh axes it raises on,
+# and the fix it gives: the drop-in path without tx.unpad on Auto axes, and on explicit axes.
+DROP_IN = {
+  "TypeError: dot_general requires contracting dimensions to have the same shape, got (16,) and "
+  "(15,)": (AxisType.Auto, lambda types: _drop_in(types, lambda tx, p: tx.unpad(p))),
+  "ShardingTypeError: dot_general operation with inputs: f32[8@data,16], f32[16,16@data] "
+  "produces an illegally sharded result": (
+    AxisType.Explicit,
+    lambda types: _drop_in(AxisType.Auto, lambda tx, p: tx.unpad(p)),
+  ),
+}
+
+
+@pytest.mark.parametrize("message", DROP_IN)
+def test_drop_in_mistakes_raise_what_the_guide_quotes_and_its_fix_works(message):
+  types, fix = DROP_IN[message]
+  section = " ".join(GUIDE.read_text().split("## Errors you may meet")[1].split())
+  assert message in section
+  kind, text = message.split(": ", 1)
+  with pytest.raises(Exception, match=_pattern(text)) as raised:
+    _drop_in(types, lambda tx, p: p)
+  assert type(raised.value).__name__ == kind
+  fix(types)
 
 
 def test_a_shard_used_without_gather_raises_a_type_error():

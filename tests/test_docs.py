@@ -11,9 +11,13 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
+
+import pytest
 
 import zerojax
 import zerojax.flax
+from tests import environment
 from tests.environment import ROOT
 
 DOCS = ROOT / "docs"
@@ -46,6 +50,53 @@ def test_readme_quickstart_runs_as_pasted_and_the_loss_falls(tmp_path):
   assert len(losses) == 5
   assert all(later < earlier for earlier, later in itertools.pairwise(losses))
   assert losses[-1] < losses[0] / 10
+
+
+#: The pages whose Python snippets that print are run, each in a fresh process on 8 CPU devices:
+#: each printing block alone, or, for a page whose blocks continue one another, the whole page.
+PRINTING_PAGES = {"guide.md": "blocks", "flax.md": "blocks", "checkpoints.md": "page"}
+
+
+def printing_snippets(page: str) -> list[str]:
+  """The Python blocks of ``page`` that call ``print``, dedented (a block may be in a list); or
+  for a ``"page"`` page, all its Python blocks as one."""
+  text = (DOCS / page).read_text()
+  blocks = re.findall(r"^( *)```python\n(.*?)^\1```$", text, flags=re.MULTILINE | re.DOTALL)
+  blocks = [textwrap.dedent(block) for _, block in blocks]
+  if PRINTING_PAGES[page] == "page":
+    return ["".join(blocks)]
+  return [block for block in blocks if "print(" in block]
+
+
+def shown(snippet: str) -> list[str]:
+  """What a snippet's prints print, as its comments say: after the print, or on the next line."""
+  lines = [*snippet.splitlines(), ""]
+  return [
+    line.split("# ", 1)[1].strip() if "# " in line else after.removeprefix("# ").strip()
+    for line, after in itertools.pairwise(lines)
+    if line.lstrip().startswith("print(")
+  ]
+
+
+SNIPPETS = [(page, i) for page in PRINTING_PAGES for i in range(len(printing_snippets(page)))]
+
+
+@pytest.mark.parametrize(("page", "index"), SNIPPETS, ids=[f"{p}-{i}" for p, i in SNIPPETS])
+def test_docs_snippets_print_what_their_comments_say(page, index, tmp_path):
+  # Run as pasted, but with the files the docs put in /tmp in a directory of the test's own.
+  snippet = printing_snippets(page)[index]
+  script = tmp_path / "snippet.py"
+  script.write_text(snippet.replace('"/tmp/', f'"{tmp_path}/'))
+  done = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=tmp_path,
+    env=environment.subprocess_env(devices=8),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.splitlines() == shown(snippet)
 
 
 def test_public_names_cover_the_package_and_its_public_modules():

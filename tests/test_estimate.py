@@ -107,6 +107,19 @@ def test_command_line_says_what_optimizer_state_it_assumed():
   assert "K = 8 B/param of optimizer state (optax.adamw on float32: 8)." in text
 
 
+@pytest.mark.parametrize(
+  "secondary, why",
+  [
+    ("3", "8 devices do not split into nodes of 3 (--secondary must divide --devices)"),
+    ("16", "8 devices do not split into nodes of 16"),
+    ("8", "8 devices are one node of 8; hpZ needs two or more nodes"),
+  ],
+)
+def test_command_line_says_why_an_hpz_row_is_empty(secondary, why):
+  text = estimate_cli.main(["--params", "1e9", "--devices", "8", "--secondary", secondary])
+  assert f"\n-: {why}" in text
+
+
 def test_command_line_reports_communication_with_and_without_quantization():
   args = ["--params", "7.5e9", "--devices", "8", "64", "--quantized-gradients", "int4"]
   text = estimate_cli.main(args)

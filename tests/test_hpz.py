@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from tests import models, multi_axis_model
-from tests.helpers import STAGES, rounding
+from tests.helpers import STAGES, launch_code, rounding
 from zerojax import estimate as estimate_cli
 
 AXES = ("node", "data")
@@ -298,6 +298,21 @@ def test_only_stage_3_takes_a_secondary_axis(stage):
   mesh = jax.make_mesh((2, 4), AXES)
   with pytest.raises(TypeError, match="unexpected keyword argument 'secondary_axis'"):
     STAGES[stage](optax.adam(1e-2), mesh=mesh, axis_name=AXES, secondary_axis="data")
+
+
+def test_a_secondary_axis_across_processes_is_warned_of_whatever_its_name():
+  # Two processes of two CPU devices: axis "a" spans the processes, "b" stays inside each.
+  code = (
+    "import warnings, jax, optax, zerojax; zerojax.distributed.initialize(); "
+    "mesh = jax.make_mesh((2, 2), ('a', 'b')); make = lambda axis: zerojax.zero3("
+    "optax.sgd(0.1), mesh=mesh, axis_name=('a', 'b'), secondary_axis=axis); "
+    "warnings.simplefilter('error'); make('b')\n"
+    "try: make('a')\n"
+    "except UserWarning as w: assert 'its devices are in more than one process' in str(w), w\n"
+    "else: raise SystemExit('no warning')"
+  )
+  status, err = launch_code(code, devices_per_process=2)
+  assert status == 0, err
 
 
 def test_the_estimator_refuses_hpz_where_it_cannot_be():

@@ -116,6 +116,17 @@ def check_free(manager: ocp.CheckpointManager, step: int) -> None:
     )
 
 
+def _one_step(manager: ocp.CheckpointManager) -> str:
+  """What an error adds when the manager's directory is one checkpoint's, not the run's."""
+  directory = epath.Path(manager.directory)
+  if not is_checkpoint(directory):
+    return ""
+  return (
+    f": it is itself a checkpoint, step {directory.name} of {directory.parent}; pass "
+    f"{directory.parent} (with step={directory.name}, or none for the latest)"
+  )
+
+
 def read_layout(manager: ocp.CheckpointManager, step: int | None) -> tuple[int, dict[str, Any]]:
   """The step (the latest if ``None``) and the layout record saved with it.
 
@@ -128,7 +139,7 @@ def read_layout(manager: ocp.CheckpointManager, step: int | None) -> tuple[int, 
   steps = sorted(manager.all_steps())
   if step is None:
     if not steps:
-      raise FileNotFoundError(f"no checkpoints in {manager.directory}.")
+      raise FileNotFoundError(f"no checkpoints in {manager.directory}{_one_step(manager)}.")
     step = steps[-1]
   if step not in steps:
     stranger = step_directory(manager, step)

@@ -19,7 +19,9 @@ spec (``checkpoint_spec``), the layout record and what fits it
 
 from __future__ import annotations
 
+import operator
 import os
+import re
 from typing import Any
 
 import jax
@@ -133,10 +135,12 @@ class CheckpointManager:
       Whether a save was started.
 
     Raises:
+      TypeError: if ``step`` is not a whole number.
       ValueError: if ``state`` does not match the spec (naming every path
         whose structure, shape or dtype differs), or the step's directory
         name is taken by something that is not a checkpoint.
     """
+    step = _whole_step(step)
     state = stored_lib.unwrap(state)
     lines = record_lib.differences(self._stored, record_lib.describe(state), ("spec", "state"))
     if lines:
@@ -222,6 +226,11 @@ class CheckpointManager:
         master_lib.reading_plan(self._plain, saved_master),
         partial=master_lib.separate(saved_master),  # its rounded params are not read
       )
+    except _OtherStructureError as error:
+      lines = [f"{line}: {error.args[0][line]}" for line in sorted(error.args[0])]
+      fit = f"{what} does not fit this manager's spec (its containers differ, as an optimizer's"
+      fit += " empty states do: optax.adamw's three against optax.adam's two, say)"
+      return Verdict.MISFIT, None, record_lib.listed_error(fit, lines, _REFIT)
     except _UnreadableError as error:
       damage = f"{what} could not be read in full ({error} ...). It is damaged: restore another"
       return Verdict.DAMAGED, None, ValueError(f"{damage} of {self.all_steps()}.")
@@ -253,8 +262,50 @@ class CheckpointManager:
     self.close()
 
 
+def _whole_step(step: Any) -> int:
+  """``step`` as an ``int`` (a numpy or JAX integer scalar will do), or a clear error."""
+  try:
+    index = None if isinstance(step, bool) else operator.index(step)
+  except TypeError:
+    index = None
+  if index is None or index < 0:
+    raise TypeError(
+      f"a checkpoint's step is a whole number, 0 or more, got {step!r} "
+      f"({type(step).__name__}): Orbax would name its directory {str(step)!r}, which "
+      "all_steps(), latest_step() and restore() never list. Pass int(step)."
+    )
+  return index
+
+
 class _UnreadableError(Exception):
   """Orbax could not read a checkpoint's arrays in full; the message says why, briefly."""
+
+
+class _OtherStructureError(Exception):
+  """The checkpoint's containers differ from the spec's where their leaves agree.
+
+  Its argument is ``{path: what differs}``. Optimizers whose states differ
+  only in empty nodes (``optax.adam`` and ``optax.adamw``) have the same
+  leaves, so the layout record cannot tell them apart; Orbax's metadata can.
+  """
+
+
+#: How Orbax says that the tree to restore and the saved one differ, and each difference:
+#: a path, then the restore item's ``(container, size)`` ("Source") and the saved one ("Target").
+_ORBAX_OTHER_TREE = "tree structures do not match"
+_ORBAX_DIFFERENCE = re.compile(r"^(\S+):\s*\n\s*- Source: (.+)\n\s*- Target: (.+)$", re.MULTILINE)
+
+
+def _other_structure(message: str) -> dict[str, str] | None:
+  """``{path: what differs}`` if Orbax's ``message`` says the trees differ, else ``None``."""
+  if _ORBAX_OTHER_TREE not in message:
+    return None
+  found = _ORBAX_DIFFERENCE.findall(message)
+  shown = lambda node: re.sub(r"^\(<class '(\w+)'>, (\d+)\)$", r"a \1 of \2", node.strip())
+  return {
+    path: f"{shown(saved)} in the checkpoint, {shown(spec)} in the spec"
+    for path, spec, saved in found
+  }
 
 
 def _read_arrays(
@@ -267,6 +318,7 @@ def _read_arrays(
   ``item`` leaves out are not read; without it, ``item`` must name them all.
 
   Raises:
+    _OtherStructureError: if the saved tree's containers differ from ``item``'s.
     _UnreadableError: if Orbax cannot read them in full.
   """
   restore_args = jax.tree.map(
@@ -279,8 +331,11 @@ def _read_arrays(
   try:
     return reader.restore(path, args=args)
   except Exception as error:
+    other = _other_structure(str(error))
     # Orbax's message ends with the whole TensorStore spec; its start says what failed.
     reason = f"{type(error).__name__}: {error}"[:400]
   # Raised outside the handler, so that Orbax's error and the unfinished reads
   # its traceback holds are released now rather than at some later collection.
+  if other:
+    raise _OtherStructureError(other)
   raise _UnreadableError(reason)

@@ -34,10 +34,14 @@ step 2 alone.
 
 from __future__ import annotations
 
+import math
+import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from zerojax._src.comm import primitives as comm
 from zerojax._src.comm.group import Group
@@ -82,7 +86,48 @@ def resolve(axis_name: Any, secondary_axis: Any, mesh: Any) -> tuple[str, ...]:
       f"parameters' own split, and no gather would stay inside a node. Name the intra-node axes "
       f"only ({example}), or drop secondary_axis."
     )
+  _warn_if_not_intra_node(secondary_axis, secondary, mesh, example)
   return tuple(name for name in data if name in secondary)
+
+
+#: Axis names that say the axis crosses nodes (hosts, slices), which hpZ's secondary axis must not.
+_CROSS_NODE_NAME = re.compile(r"(inter_?)?(node|host|slice|dcn|process)(es|s)?", re.IGNORECASE)
+
+
+def _warn_if_not_intra_node(
+  secondary_axis: Any, secondary: tuple[str, ...], mesh: Any, example: str
+) -> None:
+  """Warns if the secondary axes have one device, or cross processes (or are named so)."""
+  sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+  size = math.prod(sizes[name] for name in secondary)
+  shape = ", ".join(f"{name!r}: {n}" for name, n in sizes.items())
+  if size == 1:
+    warnings.warn(
+      f"secondary_axis={secondary_axis!r} has 1 device (the mesh is {{{shape}}}): each "
+      "device's secondary partition is then the whole layer, and the forward pass keeps every "
+      "layer's for the backward pass, the whole model on every device, for no less traffic "
+      f"across nodes. Name the intra-node axes, of more than one device ({example}), or drop "
+      "secondary_axis.",
+      UserWarning,
+      stacklevel=6,
+    )
+    return
+  # Each row: the devices of one secondary partition's group, which must share a node.
+  groups = np.moveaxis(
+    mesh.devices, [mesh.axis_names.index(name) for name in secondary], range(-len(secondary), 0)
+  ).reshape(-1, size)
+  spans = any(len({device.process_index for device in group}) > 1 for group in groups)
+  named = jax.process_count() == 1 and any(_CROSS_NODE_NAME.fullmatch(n) for n in secondary)
+  if spans or named:
+    why = "its devices are in more than one process" if spans else "its name says so"
+    warnings.warn(
+      f"secondary_axis={secondary_axis!r} looks like an axis across nodes ({why}): hpZ keeps "
+      "its secondary copy over secondary_axis so that the backward pass gathers over the fast "
+      "links inside a node; across nodes it gathers over the slow ones, twice. Name the "
+      f"intra-node axes ({example}).",
+      UserWarning,
+      stacklevel=6,
+    )
 
 
 def ordered(data_axes: tuple[str, ...], secondary_axes: tuple[str, ...]) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ side by side for XLA to combine (``group.py``), the way their ``Opening`` says (
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -91,7 +92,42 @@ def _secondary(primitive, params) -> bool:
   return primitive.name == "name" and params.get("name") == hpz.SECONDARY
 
 
-def except_gathered(policy: Callable[..., bool] | None) -> Callable[..., bool]:
+#: The policies of ``jax.checkpoint_policies`` that are policies themselves, not factories of one.
+_NAMED_POLICIES = (
+  "checkpoint_dots",
+  "checkpoint_dots_with_no_batch_dims",
+  "dots_saveable",
+  "dots_with_no_batch_dims_saveable",
+  "everything_saveable",
+  "nothing_saveable",
+)
+
+
+def named_policy(policy: Callable[..., bool] | str | None) -> Callable[..., bool] | None:
+  """``policy``, or the policy of ``jax.checkpoint_policies`` it names (``"dots_saveable"``).
+
+  Raises:
+    ValueError: if ``policy`` is a string that names no such policy.
+  """
+  if not isinstance(policy, str):
+    return policy
+  if policy in _NAMED_POLICIES:
+    return getattr(jax.checkpoint_policies, policy)
+  factory = callable(getattr(jax.checkpoint_policies, policy, None))
+  close = difflib.get_close_matches(policy, _NAMED_POLICIES, n=1)
+  raise ValueError(
+    f"policy={policy!r} names no policy of jax.checkpoint_policies that takes no arguments"
+    + (f"; did you mean {close[0]!r}?" if close else ".")
+    + (
+      f" jax.checkpoint_policies.{policy} makes a policy: pass what it returns, "
+      f"policy=jax.checkpoint_policies.{policy}(...)."
+      if factory
+      else f" Name one of {_NAMED_POLICIES}, or pass a policy function."
+    )
+  )
+
+
+def except_gathered(policy: Callable[..., bool] | str | None) -> Callable[..., bool]:
   """A ``jax.checkpoint`` policy: ``policy``'s choices, never saving a gathered parameter.
 
   Use it to pick what a checkpointed layer that calls ``zerojax.gather`` saves
@@ -104,7 +140,8 @@ def except_gathered(policy: Callable[..., bool] | None) -> Callable[..., bool]:
   gathers from them inside the node.
 
   Args:
-    policy: a policy of ``jax.checkpoint_policies``, or ``None``.
+    policy: a policy of ``jax.checkpoint_policies``, or its name
+      (``"dots_saveable"``), or ``None``.
 
   Returns:
     The policy.
@@ -116,6 +153,7 @@ def except_gathered(policy: Callable[..., bool] | None) -> Callable[..., bool]:
     >>> policy = zerojax.except_gathered(jax.checkpoint_policies.dots_saveable)
     >>> body = jax.checkpoint(lambda h, w: h @ zerojax.gather(w), policy=policy)
   """
+  policy = named_policy(policy)
   if policy is None:
     return remat_policy
 

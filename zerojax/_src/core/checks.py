@@ -155,14 +155,36 @@ def batch(arguments: tuple[Any, ...], settings: Settings, microbatches: int) -> 
           "as batch arguments."
         )
       if first is None:
-        first = (where, shape[0])
+        first = (where, shape[0], _is_key(x))
       elif shape[0] != first[1]:
+        keys = _is_key(x) or first[2]
         raise ValueError(
           f"{where} has {shape[0]} rows but {first[0]} has {first[1]}: every batch "
           "argument is split along its leading axis, so they must agree (each device "
           "would pair rows that do not belong together). Pass arrays of the same batch "
           "size, and per-step constants by closing over them."
+          + (_KEYS.format(rows=max(shape[0], first[1])) if keys else "")
         )
+
+
+#: What ``batch`` adds when a mismatched batch argument holds random keys.
+_KEYS = (
+  " Random keys are a batch argument like any other, split with the batch: give one key per "
+  "example, jax.random.split(key, {rows}), and draw each example's numbers from its own key "
+  "(jax.vmap over the examples), which gives the numbers one device gives on the whole batch; "
+  "for one key per device, close over the key and fold in "
+  "jax.lax.axis_index(tx.batch_axes) instead. See docs/guide.md, 'Randomness: dropout'."
+)
+
+
+def _is_key(x: Any) -> bool:
+  """Whether ``x`` is an array of random keys: typed (``jax.random.key``) or raw uint32 pairs."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  return np.dtype(dtype) == np.uint32 and np.ndim(x) == 2 and np.shape(x)[-1] == 2
 
 
 def _split(settings: Settings, microbatches: int) -> str:

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from zerojax._src.comm import quantized as quantize
+from zerojax._src.comm import shards as shards_lib
 from zerojax._src.core import checks
 from zerojax._src.core import precision as precision_lib
 from zerojax._src.core import settings as settings_lib
@@ -186,7 +187,18 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
 
     Pass ``tx.master_params(params, state)`` instead of ``params`` for the
     full-precision copy.
+
+    Raises:
+      TypeError: given ``zerojax.Shard`` s, inside the loss of ``zerojax.value_and_grad``,
+        where ``zerojax.gather`` opens them.
     """
+    if any(isinstance(x, shards_lib.Shard) for x in jax.tree.leaves(params, is_leaf=_is_shard)):
+      raise TypeError(
+        "tx.gather was given zerojax.Shards, as the loss of zerojax.value_and_grad sees the "
+        "parameters: there, open them with zerojax.gather(params) (or layer by layer in "
+        "zerojax.scan). tx.gather is for the stored parameters outside the step (evaluation, "
+        "export)."
+      )
     return self._optimizer.gather(params)
 
   def master_params(self, params: optax.Params, state: ZeroState) -> optax.Params:
@@ -255,6 +267,10 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   def layout(self, params: optax.Params) -> layout_lib.Layout:
     """The plan: how each leaf of ``params`` is split (see ``zerojax.Layout``)."""
     return self._optimizer.plans(params).sharded
+
+
+def _is_shard(x: Any) -> bool:
+  return isinstance(x, shards_lib.Shard)
 
 
 def unwrap(tx: Any) -> ShardedOptimizer:

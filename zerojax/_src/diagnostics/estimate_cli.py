@@ -220,7 +220,8 @@ def hpz_table(
   pass's gather of each device's secondary partition, the gradients'
   reduce-scatter, hybrid sharding's sum across replicas) and those inside a
   node (the gathers of the secondary partitions into whole weights). A row
-  whose data axes are not two or more nodes of ``secondary`` devices is ``-``.
+  whose data axes are not two or more nodes of ``secondary`` devices is ``-``,
+  and a line under the table says why.
 
   Example:
     >>> from zerojax.estimate import hpz_table
@@ -229,6 +230,7 @@ def hpz_table(
     -----------------------------------------------------------------------------------
            8              -              -              -              -              -
           64           1.88           1.88          45.00          16.88          30.00
+    -: 8 devices are one node of 8; hpZ needs two or more nodes (--secondary less than --devices)
   """
   columns = ("zero3 memory", "+ secondary", "zero3 moves", "hpZ, across", "hpZ, inside")
 
@@ -267,7 +269,23 @@ def hpz_table(
   header = f"{'devices':>8} " + " ".join(f"{name:>14}" for name in columns)
   lines = [header, "-" * len(header)]
   lines += [f"{n:>8} " + " ".join(f"{cell:>14}" for cell in row(n)) for n in devices]
+  lines += [f"-: {why}" for why in dict.fromkeys(_not_hpz(n, secondary) for n in devices) if why]
   return "\n".join(lines)
+
+
+def _not_hpz(num_devices: int, secondary: int) -> str | None:
+  """Why ``num_devices`` are not two or more nodes of ``secondary`` devices, or ``None``."""
+  if num_devices % secondary:
+    return (
+      f"{num_devices} devices do not split into nodes of {secondary} (--secondary must divide "
+      "--devices)"
+    )
+  if num_devices == secondary:
+    return (
+      f"{num_devices} devices are one node of {secondary}; hpZ needs two or more nodes "
+      "(--secondary less than --devices)"
+    )
+  return None
 
 
 def _ring_bytes(num_params: float, *, stage: int, **options) -> float:

@@ -89,7 +89,7 @@ _COMPUTATION = re.compile(r"For computation: (\S+), module (\S+)")
 _TOTAL = re.compile(r"Total (wasted )?cycles: ([\d.eE+-]+)")
 
 
-def scheduler_estimate(log: str, hlo: str | jax.stages.Compiled) -> StepEstimate:
+def scheduler_estimate(log: str | list[str], hlo: str | jax.stages.Compiled) -> StepEstimate:
   """The step estimate XLA:GPU logged while compiling ``hlo``.
 
   Compile in a process started with
@@ -98,7 +98,8 @@ def scheduler_estimate(log: str, hlo: str | jax.stages.Compiled) -> StepEstimate
   on a GPU host), and capture its standard error during the compilation.
 
   Args:
-    log: the captured log (statistics of other modules are ignored).
+    log: the captured log (statistics of other modules are ignored): its
+      text, or the list ``capture_stderr`` yields.
     hlo: the compiled program (``compiled.as_text()``, or the ``Compiled``).
 
   Returns:
@@ -133,7 +134,10 @@ def scheduler_estimate(log: str, hlo: str | jax.stages.Compiled) -> StepEstimate
     >>> estimate = scheduler_estimate(log, hlo)
     >>> estimate.cycles, estimate.wasted, [(c.name, c.executions) for c in estimate.loops]
     (160.0, 15.0, [('body', 3)])
+    >>> scheduler_estimate([log], hlo) == estimate  # as capture_stderr() yields it
+    True
   """
+  log = "".join(log) if isinstance(log, list) else log
   text = hlo_lib.text_of(hlo)
   module = re.match(r"HloModule ([\w.\-]+)", text)
   module_name = module.group(1) if module else None

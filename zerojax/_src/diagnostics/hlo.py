@@ -205,7 +205,18 @@ def count_collectives_by_axes(
 
 
 def text_of(hlo: str | jax.stages.Compiled) -> str:
-  """The HLO text of a compiled program (or ``hlo`` itself, given text)."""
+  """The HLO text of a compiled program (or ``hlo`` itself, given text).
+
+  Raises:
+    TypeError: for a function or a lowered program, which has no compiled HLO yet.
+  """
+  if isinstance(hlo, jax.stages.Lowered) or not isinstance(hlo, str | jax.stages.Compiled):
+    what = "a lowered program" if isinstance(hlo, jax.stages.Lowered) else type(hlo).__name__
+    raise TypeError(
+      f"the collectives are read from a compiled program, got {what}: pass "
+      "jax.jit(step).lower(*args).compile() (or its as_text()): the collectives are what the "
+      "compiler inserts, which a function or a lowered program does not hold yet."
+    )
   text = hlo if isinstance(hlo, str) else hlo.as_text()
   if text is None:
     raise ValueError("this compiled program has no HLO text to read; pass compiled.as_text().")

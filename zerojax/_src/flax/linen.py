@@ -73,7 +73,7 @@ def gathered(target: Any) -> Any:
 
 
 def remat_gathered(
-  target: Any, *, policy: Callable[..., bool] | None = None, **remat_kwargs: Any
+  target: Any, *, policy: Callable[..., bool] | str | None = None, **remat_kwargs: Any
 ) -> Any:
   """``gathered(target)`` under ``nn.remat``, never saving the gathered parameters.
 
@@ -117,7 +117,7 @@ def scan(
   *,
   length: int,
   prefetch: int = 1,
-  policy: Callable[..., bool] | None = None,
+  policy: Callable[..., bool] | str | None = None,
   defer_reductions: bool = False,
 ) -> type[nn.Module]:
   """``nn.scan`` of a layer over stacked parameters, run by ``zerojax.scan``.
@@ -133,8 +133,12 @@ def scan(
   ``Block``'s own fields.
 
   Only parameters are scanned: a block with other collections (batch
-  statistics, or random numbers it draws with ``make_rng``) is refused at
-  ``apply``; pass random keys as part of ``x``.
+  statistics) is refused at ``apply``. Random numbers a block draws with
+  ``make_rng`` (``nn.Dropout``) come from the streams ``apply`` is given,
+  ``rngs={"dropout": key}``, each split into one key per layer: on the same
+  key, the same numbers inside ``zerojax.value_and_grad`` and outside. For
+  one mask per example, call ``apply`` under ``jax.vmap`` over the examples
+  and their keys (docs/flax.md, "Randomness").
 
   Args:
     target: the Linen module class of one layer.
@@ -182,14 +186,17 @@ def scan(
       block = target(**{name: getattr(self, name) for name in fields}, parent=None)
 
       def layer(carry, inputs):
-        params, x = inputs
-        return block.apply({"params": params}, carry, x)
+        params, rngs, x = inputs
+        return block.apply({"params": params}, carry, x, rngs=rngs)
 
       params = self.variables["params"]
+      # Each random stream apply was given (rngs={"dropout": key}) splits into one key a layer.
+      streams = self.scope.rngs if self.scope is not None else {}
+      rngs = {name: jax.random.split(self.make_rng(name), length) for name in streams}
       return scan_lib.scan(
         layer,
         carry,
-        (params, xs),
+        (params, rngs, xs),
         prefetch=prefetch,
         policy=policy,
         defer_reductions=defer_reductions,

@@ -73,7 +73,10 @@ def nnx_value_and_grad(
   Other variables are read, not written: NNX raises a ``TraceContextError``
   if ``loss_fn`` changes one (batch statistics in training mode, or the RNG
   counter of a module that draws from an ``nnx.Rngs`` it holds). Pass random
-  keys as a batch argument instead, one per example or per device.
+  keys as a batch argument instead, one per example (``jax.random.split(key,
+  batch_size)``, split over the devices like the batch), and give each
+  example's call its key (``nnx.Dropout`` takes ``rngs=`` a key): see
+  docs/flax.md, "Randomness".
 
   Args:
     loss_fn: ``loss_fn(model, *batch)`` returning a scalar loss (the mean over
@@ -135,7 +138,7 @@ def nnx_scan(
   xs: Any = None,
   *,
   prefetch: int = 1,
-  policy: Callable[..., bool] | None = None,
+  policy: Callable[..., bool] | str | None = None,
   defer_reductions: bool = False,
 ) -> tuple[Any, Any]:
   """``zerojax.scan`` over a stack of NNX layers (one module with stacked state, from ``nnx.vmap``).

@@ -464,17 +464,29 @@ def check_output(output: Any, h: Any) -> None:
   want = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), h)
   got = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), output)
   if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+    pair = isinstance(output, tuple) and len(output) == 2 and _shapes(output[0]) == _shapes(h)
     raise ValueError(
-      f"stage_fn returned {_shapes(got)} for a micro-batch of {_shapes(want)}: a stage's "
-      "output is the next stage's input, so it must have the same shapes and dtypes. Keep "
-      "the activations' shape through every stage (a projection that changes it belongs "
-      "before the pipeline or in loss_fn)."
+      f"stage_fn returned {_shapes(output)} for a micro-batch of {_shapes(h)}: a stage's "
+      "output is the next stage's input, so it must have the same shapes and dtypes. "
+      + (
+        "Return the activations alone: (carry, y) is a scan body's form, and a stage that "
+        "runs zerojax.scan returns its carry, zerojax.scan(layer, h, layers)[0]."
+        if pair
+        else "Keep the activations' shape through every stage (a projection that changes it "
+        "belongs before the pipeline or in loss_fn)."
+      )
     )
 
 
 def _shapes(tree: Any) -> str:
-  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2)
-  return ", ".join(f"{d}{list(s)}" for s, d in leaves)
+  """``float32[4, 16]`` for an array; a tuple's or list's entries in parentheses; else leaves."""
+  if isinstance(tree, tuple | list):
+    return "(" + ", ".join(map(_shapes, tree)) + ")"
+  if tree is None:
+    return "None"
+  if hasattr(tree, "shape") and hasattr(tree, "dtype"):
+    return f"{np.dtype(tree.dtype)}{list(tree.shape)}"
+  return ", ".join(_shapes(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def _at(tree: Any, index: Any) -> Any:

@@ -14,6 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._src.sharding import layout as layout_lib
 
+#: The mesh axis ``zerojax.pipeline`` runs its stages over unless told otherwise.
+PIPELINE_AXIS = "stage"
+
 
 def resolve_mesh(
   mesh: Mesh | None,
@@ -55,6 +58,14 @@ def resolve_mesh(
         f"jax.make_mesh((n,), ({name!r},))."
       )
       raise ValueError(f"mesh has no axis {name!r} (its axes are {mesh.axis_names}); {fix}")
+  others = [name for name in mesh.axis_names if name not in data_axes]
+  if PIPELINE_AXIS in data_axes and len(mesh.axis_names) > 1:
+    raise ValueError(
+      f"axis_name={axis_name!r} names {PIPELINE_AXIS!r}, the mesh axis zerojax.pipeline runs its "
+      "stages over (its default axis_name): each stage holds its own layers, which ZeRO must "
+      "not split across the stages. ZeRO splits over the data axes, the others: pass "
+      f"axis_name={(others or [name for name in mesh.axis_names if name != PIPELINE_AXIS])[0]!r}."
+    )
   shared = sorted(set(data_axes) & set(replica_axes))
   if shared or len(set(data_axes)) < len(data_axes):
     raise ValueError(

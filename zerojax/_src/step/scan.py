@@ -47,7 +47,7 @@ def scan(
   length: int | None = None,
   *,
   prefetch: int = 1,
-  policy: Callable[..., bool] | None = None,
+  policy: Callable[..., bool] | str | None = None,
   defer_reductions: bool = False,
 ) -> tuple[Any, Any]:
   """``jax.lax.scan`` over a layer stack whose parameter shards ``f`` receives gathered.
@@ -92,8 +92,8 @@ def scan(
     length: the number of layers, if ``xs`` has no leaves.
     prefetch: 1 to gather one layer ahead, 0 not to.
     policy: a ``jax.checkpoint`` policy (``jax.checkpoint_policies``) naming
-      the values the backward pass reads from the forward pass; ``None``
-      saves every one but the weights.
+      the values the backward pass reads from the forward pass, or the name
+      of one (``"dots_saveable"``); ``None`` saves every one but the weights.
     defer_reductions: with ``prefetch=1``, reduce-scatter each layer's
       gradient one iteration late.
 
@@ -113,6 +113,7 @@ def scan(
     >>> grads["layers"].shape, grads["layers"].sharding.spec
     ((4, 64, 64), P(None, 'data'))
   """
+  policy = shards_lib.named_policy(policy)
   if prefetch not in (0, 1):
     raise ValueError(
       f"prefetch is how many layers ahead to gather: 0 or 1 (two layers alive at once), "

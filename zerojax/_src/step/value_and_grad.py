@@ -145,13 +145,14 @@ class _ValueAndGrad:
       params = _reshard(params, plans.params.specs(), settings.mesh)
       batch = _reshard(batch, batch_specs, settings.mesh)
     per_device = lambda params, scale, *batch: self._per_device(plans, params, scale, *batch)
-    loss, aux, grads = jax.shard_map(
+    mapped = jax.shard_map(
       ordering.ordered(settings.mesh, per_device),
       mesh=settings.mesh,
       in_specs=(param_specs, P(), *batch_specs),
       out_specs=(P(), P(settings.batch_axes), grad_specs),
       axis_names=set(settings.batch_axes),
-    )(params, scale, *batch)
+    )
+    loss, aux, grads = mapped(params, scale, *batch)
     grads = stored_lib.wrap(plans.sharded, grads) if wrapped else grads
     return ((loss, aux), grads) if self.has_aux else (loss, grads)
 
