@@ -59,7 +59,7 @@ Preemption: on SIGTERM (a preempted VM, SLURM's ``--signal``, the launcher
 being stopped) every process finishes its step, all stop after the same step
 (``zerojax.distributed.preemption_requested``), save it (with ``--checkpoint-dir``) and exit
 with status ``zerojax.distributed.PREEMPTED_EXIT_CODE`` (75), which ``python -m
-zerojax.launch`` answers with a restart. Under ``--resume`` the restarted run
+zerojax_launch`` answers with a restart. Under ``--resume`` the restarted run
 continues from exactly that step.
 
 Elastic batches: with ``--per-device-batch P`` the micro-batches are whatever
@@ -75,7 +75,7 @@ launcher's pipes) a plain line every ``--log-every`` steps or minute.
 
 Multi-process (one process per host or GPU): ``--coordinator``,
 ``--num-processes`` and ``--process-id`` (or the variables ``python -m
-zerojax.launch`` sets, or ``--detect-cluster`` under SLURM, Open MPI or a
+zerojax_launch`` sets, or ``--detect-cluster`` under SLURM, Open MPI or a
 Cloud TPU pod slice) join the processes with ``zerojax.distributed.initialize``; each
 process then loads only its rows of every batch. Process 0 alone prints and
 writes files.

@@ -1,7 +1,7 @@
 """Multi-process runs: 2 processes x 4 CPU devices against this 1 process x 8, and the launcher.
 
 The 2-process job runs ``tests/multiprocess_worker.py`` under ``python -m
-zerojax.launch`` on loopback; this process runs the same worker function on its
+zerojax_launch`` on loopback; this process runs the same worker function on its
 own 8 devices. Each writes what it saw, and the tests compare.
 """
 
