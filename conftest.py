@@ -41,7 +41,6 @@ MODULE_SECONDS = {
   "linen": 12,
   "test_export": 12,
   "test_accumulation": 12,
-  "test_mutations": 12,
   "test_estimate": 12,
   "test_transformation": 9,
   "test_cli_errors": 7,
