@@ -23,6 +23,7 @@ in host memory; the run prints where the state lives when it starts.
 import os
 import signal
 import sys
+import time
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -99,6 +100,11 @@ def train(directory, steps):
       checkpoints.save(int(state["step"]), state)
       first_attempt = os.environ.get("ZEROJAX_ATTEMPT") == "1"
       if "kill-in-first-save" in faults and first_attempt:
+        # The save writes in the background: kill once its directory exists (under load the
+        # background thread may not have made it yet when save returns).
+        deadline = time.monotonic() + 60
+        while not os.listdir(directory) and time.monotonic() < deadline:
+          time.sleep(0.001)
         print(f"killed while writing {sorted(os.listdir(directory))}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
       if f"kill-after-save-{int(state['step'])}" in faults and first_attempt:
