@@ -15,7 +15,7 @@ default): plain data parallelism and GSPMD FSDP (parameters sharded with
 ``NamedSharding``, activations constrained to the batch) in plain JAX;
 zerojax's stages 1 and 2; and stage 3 on each of its paths: ``zerojax.gather``
 in a checkpointed ``jax.lax.scan``, ``zerojax.scan`` with and without
-prefetching, ``zerojax.flax.scan``, and drop-in (plain ``jax.value_and_grad``).
+prefetching, ``zerojax.flax.linen.scan``, and drop-in (plain ``jax.value_and_grad``).
 Each target compiles in a process of its own, started with
 ``zerojax.diagnostics.deviceless_environment(target)``.
 

@@ -4,7 +4,7 @@ Linen: an 8-layer transformer of width 256 (about 16.8 MB of float32
 parameters, one layer 1/8 of it), trained with ``zerojax.zero3(optax.sgd(...))``.
 NNX: docs/flax.md's ``Deep`` model (8 residual layers of width 256, 2.2 MB),
 trained with ``zerojax.zero3(optax.adamw(...))`` on a batch of 64, with
-``nnx_value_and_grad(..., gather=False)`` and the default ``gather=True``. For
+``zerojax.flax.nnx.value_and_grad(..., gather=False)`` and the default ``gather=True``. For
 each, on 8 forced CPU devices, the compiled train step's
 ``memory_analysis().temp_size_in_bytes`` per device. Nothing runs but the
 compiler, so the numbers are exact and repeatable.
@@ -29,7 +29,8 @@ import setups
 from flax import nnx
 
 import zerojax
-import zerojax.flax
+import zerojax.flax.linen
+import zerojax.flax.nnx
 
 WIDTH, LAYERS, BATCH, SEQ, VOCAB = 256, 8, 16, 8, 13
 
@@ -58,19 +59,23 @@ def scanned(body) -> type[nn.Module]:
 
 #: The layer stacks measured, by how docs/flax.md names them.
 STACKS = {
-  "`zerojax.flax.scan(Block, length=n)`": lambda: zerojax.flax.scan(Block, length=LAYERS),
-  "`zerojax.flax.scan(Block, length=n, prefetch=0)`": lambda: zerojax.flax.scan(
+  "`zerojax.flax.linen.scan(Block, length=n)`": lambda: zerojax.flax.linen.scan(
+    Block, length=LAYERS
+  ),
+  "`zerojax.flax.linen.scan(Block, length=n, prefetch=0)`": lambda: zerojax.flax.linen.scan(
     Block, length=LAYERS, prefetch=0
   ),
   "`nn.scan` of `remat_gathered(Block)`": lambda: scanned(
-    zerojax.flax.remat_gathered(Block, prevent_cse=False)
+    zerojax.flax.linen.remat_gathered(Block, prevent_cse=False)
   ),
-  "`nn.scan` of `gathered(Block)`, no checkpoint": lambda: scanned(zerojax.flax.gathered(Block)),
+  "`nn.scan` of `gathered(Block)`, no checkpoint": lambda: scanned(
+    zerojax.flax.linen.gathered(Block)
+  ),
   "`nn.scan` of `gathered(nn.remat(Block, policy=zerojax.remat_policy))`": lambda: scanned(
-    zerojax.flax.gathered(nn.remat(Block, policy=zerojax.remat_policy, prevent_cse=False))
+    zerojax.flax.linen.gathered(nn.remat(Block, policy=zerojax.remat_policy, prevent_cse=False))
   ),
   "`nn.scan` of `nn.remat(gathered(Block))` (Flax's default policy)": lambda: scanned(
-    nn.remat(zerojax.flax.gathered(Block), prevent_cse=False)
+    nn.remat(zerojax.flax.linen.gathered(Block), prevent_cse=False)
   ),
 }
 
@@ -81,9 +86,9 @@ def model(stack) -> nn.Module:
   class Transformer(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = zerojax.flax.gathered(nn.Embed)(VOCAB, WIDTH)(x)
+      h = zerojax.flax.linen.gathered(nn.Embed)(VOCAB, WIDTH)(x)
       h, _ = stack()(name="layers")(h, None)
-      return zerojax.flax.gathered(Head)()(h)
+      return zerojax.flax.linen.gathered(Head)()(h)
 
   return Transformer()
 
@@ -120,7 +125,7 @@ class NnxBlock(nnx.Module):
 
 
 class Deep(nnx.Module):
-  """docs/flax.md's NNX model: its layers run under ``zerojax.flax.nnx_scan``."""
+  """docs/flax.md's NNX model: its layers run under ``zerojax.flax.nnx.scan``."""
 
   def __init__(self, width, layers, rngs):
     self.inp = nnx.Linear(64, width, rngs=rngs)
@@ -128,9 +133,9 @@ class Deep(nnx.Module):
     self.out = nnx.Linear(width, 10, rngs=rngs)
 
   def __call__(self, x):
-    h = zerojax.flax.nnx_gathered(self.inp)(x)
-    h, _ = zerojax.flax.nnx_scan(lambda block, h, _: (block(h), None), self.layers, h)
-    return zerojax.flax.nnx_gathered(self.out)(h)
+    h = zerojax.flax.nnx.gathered(self.inp)(x)
+    h, _ = zerojax.flax.nnx.scan(lambda block, h, _: (block(h), None), self.layers, h)
+    return zerojax.flax.nnx.gathered(self.out)(h)
 
 
 def nnx_temporaries(gather: bool, mesh) -> float:
@@ -146,7 +151,7 @@ def nnx_temporaries(gather: bool, mesh) -> float:
 
   @nnx.jit
   def step(model, optimizer, x, y):
-    loss, grads = zerojax.flax.nnx_value_and_grad(loss_fn, tx, gather=gather)(model, x, y)
+    loss, grads = zerojax.flax.nnx.value_and_grad(loss_fn, tx, gather=gather)(model, x, y)
     optimizer.update(model, grads)
     return loss
 
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   print(report.table(rows, columns | {"layers": ("in layers", ".1f")}))
   nnx_rows = [
     {
-      "stack": f"`nnx_value_and_grad(..., gather={gather})`",
+      "stack": f"`zerojax.flax.nnx.value_and_grad(..., gather={gather})`",
       "temp": nnx_temporaries(gather, mesh) / 1e6,
     }
     for gather in (False, True)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from model import AXIS
 
 import zerojax
-import zerojax.flax
+import zerojax.flax.linen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def make_loss(
 
 
 class _Block(nn.Module):
-  """The layer as a Linen module, for ``zerojax.flax.scan``."""
+  """The layer as a Linen module, for ``zerojax.flax.linen.scan``."""
 
   d: int
   hidden: int
@@ -126,8 +126,8 @@ class _Block(nn.Module):
 
 
 def flax_model(config: MlpConfig, policy: Callable | None, dtype: Any) -> tuple[Any, Callable]:
-  """The stack under ``zerojax.flax.scan``: its abstract parameters and ``loss(params, x, y)``."""
-  layers = zerojax.flax.scan(_Block, length=config.layers, policy=policy)(
+  """The stack under ``zerojax.flax.linen.scan``: abstract parameters, ``loss(params, x, y)``."""
+  layers = zerojax.flax.linen.scan(_Block, length=config.layers, policy=policy)(
     config.d, config.hidden, dtype
   )
   x = jax.ShapeDtypeStruct((8, config.d), jnp.float32)

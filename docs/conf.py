@@ -72,7 +72,7 @@ if os.environ.get("READTHEDOCS") == "True" or os.environ.get("ZEROJAX_DOCS_INTER
 intersphinx_timeout = 10
 
 # -- The coverage check (ext/coverage_check.py): every name in the __all__ of zerojax and of its
-# public submodules (zerojax.flax, zerojax.launch, ...; new ones are found by themselves) must
+# public submodules (zerojax.flax.nnx, zerojax.launch, ...; new ones are found by themselves) must
 # have an entry in the site, with an example.
 coverage_check_packages = ["zerojax"]
 

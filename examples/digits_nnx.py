@@ -3,7 +3,7 @@
 The data is ``sklearn.datasets.load_digits`` (1797 8x8 images, bundled with
 scikit-learn, no download): 80% to train, 20% to test. The model is an
 ``nnx.Module``; the optimizer is ``nnx.Optimizer`` around a zerojax
-transformation, and the gradients come from ``zerojax.flax.nnx_value_and_grad``,
+transformation, and the gradients come from ``zerojax.flax.nnx.value_and_grad``,
 which runs the loss once per device on its slice of each batch. In stage 3 the
 model holds 1/N of each parameter and gathers the whole model inside the loss.
 
@@ -30,7 +30,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import zerojax
-import zerojax.flax
+import zerojax.flax.nnx
 
 STAGES = {1: zerojax.zero1, 2: zerojax.zero2, 3: zerojax.zero3}
 
@@ -53,7 +53,7 @@ def loss_fn(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
 
 @nnx.jit
 def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
-  loss, grads = zerojax.flax.nnx_value_and_grad(loss_fn, optimizer.tx)(model, x, y)
+  loss, grads = zerojax.flax.nnx.value_and_grad(loss_fn, optimizer.tx)(model, x, y)
   optimizer.update(model, grads)
   return loss
 

@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-import zerojax.flax
+import zerojax.flax.linen
 from tests.helpers import arrays
 
 MESH_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
@@ -361,7 +361,7 @@ def flax_layers_that_stages_cannot_share(types):
     def __call__(self, h, _):
       return flax.linen.Dense(16)(h), None
 
-  layers = zerojax.flax.pipeline(Block, length=3, microbatches=2)()
+  layers = zerojax.flax.linen.pipeline(Block, length=3, microbatches=2)()
   params = layers.init(jax.random.key(0), jnp.ones((8, 16)))
   with jax.set_mesh(_stage_mesh(types)):
     layers.apply(params, jnp.ones((8, 16)))

@@ -16,7 +16,8 @@ import textwrap
 import pytest
 
 import zerojax
-import zerojax.flax
+import zerojax.flax.linen
+import zerojax.flax.nnx
 from tests import environment
 from tests.environment import ROOT
 
@@ -102,7 +103,7 @@ def test_docs_snippets_print_what_their_comments_say(page, index, tmp_path):
 def test_public_names_cover_the_package_and_its_public_modules():
   names = coverage_check.public_names("zerojax")
   assert {f"zerojax.{name}" for name in zerojax.__all__} <= set(names)
-  for module in (zerojax.diagnostics, zerojax.distributed, zerojax.flax):
+  for module in (zerojax.diagnostics, zerojax.distributed, zerojax.flax.linen, zerojax.flax.nnx):
     assert {f"{module.__name__}.{name}" for name in module.__all__} <= set(names)
   assert {"zerojax.launch.launch", "zerojax.export.main", "zerojax.estimate.main"} <= set(names)
   assert not [name for name in names if "._" in name]

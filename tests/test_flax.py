@@ -14,7 +14,8 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-import zerojax.flax
+import zerojax.flax.linen
+import zerojax.flax.nnx
 from tests.helpers import ROUNDING, STAGES
 
 STEPS = 3
@@ -60,25 +61,25 @@ class Transformer(nn.Module):
   """Gathers the embedding, each scanned layer and the head as it reaches them.
 
   The layers run under ``nn.scan`` (each gathering itself), or under
-  ``zerojax.flax.scan`` (gathered one layer ahead): the parameters are the same.
+  ``zerojax.flax.linen.scan`` (gathered one layer ahead): the parameters are the same.
   """
 
   prefetching: bool = False
 
   @nn.compact
   def __call__(self, x):
-    h = zerojax.flax.gathered(nn.Embed)(VOCAB, LINEN_WIDTH)(x)
+    h = zerojax.flax.linen.gathered(nn.Embed)(VOCAB, LINEN_WIDTH)(x)
     if self.prefetching:
-      layers = zerojax.flax.scan(Block, length=LINEN_LAYERS, defer_reductions=True)
+      layers = zerojax.flax.linen.scan(Block, length=LINEN_LAYERS, defer_reductions=True)
     else:
       layers = nn.scan(
-        zerojax.flax.remat_gathered(Block, prevent_cse=False),
+        zerojax.flax.linen.remat_gathered(Block, prevent_cse=False),
         variable_axes={"params": 0},
         split_rngs={"params": True},
         length=LINEN_LAYERS,
       )
     h, _ = layers(name="layers")(h, None)
-    return zerojax.flax.gathered(Head)()(h)
+    return zerojax.flax.linen.gathered(Head)()(h)
 
 
 @functools.cache
@@ -135,7 +136,7 @@ def test_linen_train_state_matches_plain_optax(stage, mesh):
 
 
 def test_linen_zerojax_scan_matches_plain_optax(mesh):
-  # Stage 3, where the scan gathers and reduce-scatters; zerojax.flax.scan hands every stage
+  # Stage 3, where the scan gathers and reduce-scatters; zerojax.flax.linen.scan hands every stage
   # to zerojax.scan alike (stage 2's deferred reductions: tests/test_overlap.py).
   trajectory = linen_zero(3, mesh, prefetching=True)[1]
   chex.assert_trees_all_close(trajectory, linen_reference(), **ROUNDING)
@@ -151,7 +152,7 @@ def test_linen_zerojax_scan_gathers_one_layer_ahead(mesh):
   assert all(loop.waiting_gathers == loop.waiting_reductions == 0 for loop in (forward, backward))
 
 
-@pytest.mark.parametrize("prefetching", [False, True], ids=["nn.scan", "zerojax.flax.scan"])
+@pytest.mark.parametrize("prefetching", [False, True], ids=["nn.scan", "zerojax.flax.linen.scan"])
 def test_linen_stage3_scan_gathers_one_layer_at_a_time(mesh, prefetching):
   memory = linen_zero(3, mesh, prefetching)[0].memory_analysis()
   model_bytes = sum(x.nbytes for x in jax.tree.leaves(linen_params()))
@@ -169,7 +170,7 @@ def test_linen_gathered_module_runs_with_mutable_batch_statistics(mesh):
     def __call__(self, x):
       return nn.BatchNorm(use_running_average=False)(nn.Dense(16)(x))
 
-  model = zerojax.flax.gathered(Normalized)()
+  model = zerojax.flax.linen.gathered(Normalized)()
   x = jnp.arange(8 * 8, dtype=jnp.float32).reshape(8, 8)
   variables = model.init(jax.random.key(0), x)
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=16)
@@ -204,7 +205,7 @@ class NnxModel(nnx.Module):
   """An embedding, stacked layers, a head; each gathered where used.
 
   The layers run under ``nnx.scan`` (each gathering itself), or under
-  ``zerojax.flax.nnx_scan`` (gathered one layer ahead).
+  ``zerojax.flax.nnx.scan`` (gathered one layer ahead).
   """
 
   def __init__(self, rngs, prefetching=False):
@@ -214,18 +215,18 @@ class NnxModel(nnx.Module):
     self.head = nnx.Linear(NNX_WIDTH, VOCAB, rngs=rngs)
 
   def __call__(self, x):
-    h = zerojax.flax.nnx_gathered(self.embed)(x)
+    h = zerojax.flax.nnx.gathered(self.embed)(x)
     if self.prefetching:
-      h, _ = zerojax.flax.nnx_scan(lambda block, h, _: (block(h), None), self.layers, h)
+      h, _ = zerojax.flax.nnx.scan(lambda block, h, _: (block(h), None), self.layers, h)
     else:
 
       @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
       @nnx.remat(policy=zerojax.remat_policy)
       def layer(block, h):
-        return zerojax.flax.nnx_gathered(block)(h)
+        return zerojax.flax.nnx.gathered(block)(h)
 
       h = layer(self.layers, h)
-    return zerojax.flax.nnx_gathered(self.head)(h)
+    return zerojax.flax.nnx.gathered(self.head)(h)
 
 
 def nnx_loss(model, x, y):
@@ -264,7 +265,7 @@ def nnx_reference():
 )
 def test_nnx_optimizer_matches_plain_optax(stage, gather, prefetching, mesh):
   tx = STAGES[stage](optimizer(), mesh=mesh, min_shard_size=MIN_SHARD_SIZE)
-  value_and_grad = zerojax.flax.nnx_value_and_grad(nnx_loss, tx, gather=gather)
+  value_and_grad = zerojax.flax.nnx.value_and_grad(nnx_loss, tx, gather=gather)
   with jax.set_mesh(mesh):  # the optimizer's step counter is created on the mesh
     trajectory = nnx_train(tx, value_and_grad, tx.gather, prefetching)
   chex.assert_trees_all_close(trajectory, nnx_reference(), **ROUNDING)
@@ -293,13 +294,13 @@ def test_nnx_scan_passes_defer_reductions_on():
   layers = nnx.vmap(lambda rngs: nnx.Linear(4, 4, rngs=rngs))(nnx.Rngs(0).split(2))
   step = lambda layer, h, _: (layer(h), None)
   with pytest.raises(ValueError, match="defer_reductions=True reduce-scatters"):
-    zerojax.flax.nnx_scan(step, layers, jnp.ones((2, 4)), prefetch=0, defer_reductions=True)
+    zerojax.flax.nnx.scan(step, layers, jnp.ones((2, 4)), prefetch=0, defer_reductions=True)
 
 
 # ------------------------------------------------------------------------------- Randomness
 
 # Dropout with one key per example, passed as a batch argument: the same loss and gradients on
-# 8 devices as on one, for Linen's zerojax.flax.scan and NNX's nnx_scan (docs/flax.md).
+# 8 devices as on one, for zerojax.flax.linen.scan and zerojax.flax.nnx.scan (docs/flax.md).
 DROPOUT_BATCH, DROPOUT_WIDTH, DROPOUT_LAYERS = 16, 16, 3
 
 
@@ -319,7 +320,7 @@ class NnxDropoutNet(nnx.Module):
   def __call__(self, x, key):
     step = lambda layer, h, key: (jnp.tanh(layer(self.dropout(h, rngs=key))), None)
     keys = jax.random.split(key, DROPOUT_LAYERS)
-    return zerojax.flax.nnx_scan(step, self.layers, x, keys)[0]
+    return zerojax.flax.nnx.scan(step, self.layers, x, keys)[0]
 
 
 def _dropout_batch():
@@ -329,7 +330,7 @@ def _dropout_batch():
 
 @pytest.mark.parametrize("types", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
 def test_linen_scan_dropout_with_per_example_keys_matches_one_device(types):
-  layers = zerojax.flax.scan(DropoutBlock, length=DROPOUT_LAYERS)()
+  layers = zerojax.flax.linen.scan(DropoutBlock, length=DROPOUT_LAYERS)()
   x, keys = _dropout_batch()
   params = layers.init(jax.random.key(0), x, None)["params"]
 
@@ -355,7 +356,7 @@ def test_nnx_scan_dropout_with_per_example_keys_matches_one_device(types):
   expected = nnx.value_and_grad(loss_fn)(model, x, keys)
   tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((8,), ("data",), (types,)))
   nnx.update(model, tx.shard(nnx.state(model, nnx.Param)))
-  value_and_grad = zerojax.flax.nnx_value_and_grad(loss_fn, tx, gather=False)
+  value_and_grad = zerojax.flax.nnx.value_and_grad(loss_fn, tx, gather=False)
   loss, grads = nnx.jit(value_and_grad)(model, x, keys)
   chex.assert_trees_all_close(
     (loss, nnx.to_pure_dict(tx.gather(grads))),

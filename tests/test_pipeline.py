@@ -22,7 +22,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-import zerojax.flax
+import zerojax.flax.linen
+import zerojax.flax.nnx
 from tests.helpers import ROUNDING
 
 LAYERS, WIDTH, HIDDEN, BATCH, MICROBATCHES, STEPS = 8, 16, 32, 16, 4, 20
@@ -346,12 +347,12 @@ class _LinenModel(nn.Module):
 
   @nn.compact
   def __call__(self, x, y):
-    h = zerojax.flax.gathered(nn.Dense)(WIDTH, name="embed")(x)
-    head = zerojax.flax.gathered(_Head)(name="head")()
+    h = zerojax.flax.linen.gathered(nn.Dense)(WIDTH, name="embed")(x)
+    head = zerojax.flax.linen.gathered(_Head)(name="head")()
     if not self.pipelined:
-      h, _ = zerojax.flax.scan(_Block, length=LAYERS)(name="layers")(h, None)
+      h, _ = zerojax.flax.linen.scan(_Block, length=LAYERS)(name="layers")(h, None)
       return jnp.mean((h @ head - y) ** 2)
-    layers = zerojax.flax.pipeline(
+    layers = zerojax.flax.linen.pipeline(
       _Block, length=LAYERS, microbatches=MICROBATCHES, schedule="1f1b", reduce="microbatch"
     )(name="layers")
     loss_fn = lambda kernel, h, y: jnp.mean((h @ kernel - y) ** 2)
@@ -384,7 +385,8 @@ def test_linen_pipeline_computes_the_scanned_model_s_loss_and_gradients():
 
 
 def test_nnx_pipeline_computes_the_stack_s_loss_and_gradients():
-  # zero2 on Auto axes, GPipe with the head after the pipeline, under nnx_value_and_grad.
+  # zero2 on Auto axes, GPipe with the head after the pipeline, under
+  # zerojax.flax.nnx.value_and_grad.
   class Model(nnx.Module):
     def __init__(self, rngs):
       self.embed = nnx.Linear(12, WIDTH, rngs=rngs)
@@ -392,13 +394,13 @@ def test_nnx_pipeline_computes_the_stack_s_loss_and_gradients():
       self.head = nnx.Linear(WIDTH, 8, rngs=rngs)
 
     def __call__(self, x, pipelined):
-      h = zerojax.flax.nnx_gathered(self.embed)(x)
+      h = zerojax.flax.nnx.gathered(self.embed)(x)
       step = lambda layer, h: jnp.tanh(layer(h))
       if pipelined:
-        h = zerojax.flax.nnx_pipeline(step, self.layers, h, microbatches=MICROBATCHES)
+        h = zerojax.flax.nnx.pipeline(step, self.layers, h, microbatches=MICROBATCHES)
       else:
-        h = zerojax.flax.nnx_scan(lambda layer, h, _: (step(layer, h), None), self.layers, h)[0]
-      return zerojax.flax.nnx_gathered(self.head)(h)
+        h = zerojax.flax.nnx.scan(lambda layer, h, _: (step(layer, h), None), self.layers, h)[0]
+      return zerojax.flax.nnx.gathered(self.head)(h)
 
   def loss_fn(model, x, y, pipelined=False):
     return jnp.mean((model(x, pipelined) - y) ** 2)
@@ -414,7 +416,7 @@ def test_nnx_pipeline_computes_the_stack_s_loss_and_gradients():
   with jax.set_mesh(mesh):
     nnx.update(model, tx.shard(_on_stages(nnx.state(model, nnx.Param), mesh)))
     batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
-    grad_fn = zerojax.flax.nnx_value_and_grad(
+    grad_fn = zerojax.flax.nnx.value_and_grad(
       lambda m, x, y: loss_fn(m, x, y, pipelined=True), tx, gather=False
     )
     loss, grads = nnx.jit(grad_fn)(model, *batch)

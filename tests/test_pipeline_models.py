@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-import zerojax.flax
+import zerojax.flax.linen
 from tests.helpers import ROUNDING, STAGES
 
 LAYERS, WIDTH, CLASSES, BATCH = 4, 48, 11, 16
@@ -488,8 +488,8 @@ class _DropoutBlock(nn.Module):
     return h + update, None
 
 
-class _ReferenceLayers(zerojax.flax.scan(_DropoutBlock, length=LAYERS)):
-  """The stack on one device, drawing as ``zerojax.flax.pipeline`` does on ``slices`` devices.
+class _ReferenceLayers(zerojax.flax.linen.scan(_DropoutBlock, length=LAYERS)):
+  """The stack on one device, drawing as ``zerojax.flax.linen.pipeline`` does on ``slices`` devices.
 
   Its one key is ``make_rng("dropout")`` of a module at the pipeline's path, so the same key;
   layer ``i`` of stage ``s`` runs micro-batch ``m`` with it folded with ``m``, ``s``, ``i``.
@@ -526,14 +526,14 @@ class _DropoutModel(nn.Module):
 
   @nn.compact
   def __call__(self, x, labels):
-    h = zerojax.flax.gathered(nn.Dense)(WIDTH, name="embed")(x)
-    kernel = zerojax.flax.gathered(_Kernel)(name="head")()
+    h = zerojax.flax.linen.gathered(nn.Dense)(WIDTH, name="embed")(x)
+    kernel = zerojax.flax.linen.gathered(_Kernel)(name="head")()
     loss_fn = lambda kernel, h, labels: jnp.mean(
       optax.softmax_cross_entropy_with_integer_labels(h @ kernel, labels)
     )
     if self.slices:
       return loss_fn(kernel, _ReferenceLayers(slices=self.slices, name="layers")(h)[0], labels)
-    layers = zerojax.flax.pipeline(
+    layers = zerojax.flax.linen.pipeline(
       _DropoutBlock, length=LAYERS, microbatches=2, schedule=self.schedule
     )(name="layers")
     if self.schedule == "gpipe":

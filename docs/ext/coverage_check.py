@@ -26,13 +26,15 @@ logger = logging.getLogger(__name__)
 
 
 def public_modules(package: str) -> list[ModuleType]:
-  """The package and its submodules whose names do not start with ``_``."""
+  """The package and its submodules, at any depth, no part of whose names starts with ``_``."""
   root = importlib.import_module(package)
-  names = [
-    f"{package}.{info.name}"
-    for info in pkgutil.iter_modules(root.__path__)
-    if not info.name.startswith("_")
-  ]
+  names = []
+  for info in pkgutil.iter_modules(root.__path__):
+    if info.name.startswith("_"):
+      continue
+    names.append(f"{package}.{info.name}")
+    if info.ispkg:  # zerojax.flax: its modules, zerojax.flax.linen and zerojax.flax.nnx
+      names.extend(module.__name__ for module in public_modules(names[-1])[1:])
   return [root, *(importlib.import_module(name) for name in sorted(names))]
 
 

@@ -2,11 +2,11 @@
 
 A decoder-only transformer over bytes (pre-norm RMSNorm, causal multi-head
 attention, ReLU MLP, learned positions, tied embeddings) written as Flax Linen
-modules. Its layers run under ``zerojax.flax.scan``, so their parameters are
+modules. Its layers run under ``zerojax.flax.linen.scan``, so their parameters are
 stacked along a leading layer dimension (as ``nn.scan`` stacks them) and, under
 ZeRO-3, each layer is gathered one layer ahead of its compute and again in the
 backward pass: at most two layers are whole at once. With a pipeline schedule
-they run as stages over the mesh's ``stage`` axis (``zerojax.flax.pipeline``,
+they run as stages over the mesh's ``stage`` axis (``zerojax.flax.linen.pipeline``,
 the same parameters). ``tensor_parallel_specs`` says how Megatron-style tensor
 parallelism places the layers' weights, ``pipeline_specs`` how the stages do.
 """
@@ -24,7 +24,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-import zerojax.flax
+import zerojax.flax.linen
 
 from . import configs
 from .data import VOCAB
@@ -80,10 +80,10 @@ class Tables(nn.Module):
 
 
 class GPT(nn.Module):
-  """A decoder-only transformer over bytes; its layers run under ``zerojax.flax.scan``.
+  """A decoder-only transformer over bytes; its layers run under ``zerojax.flax.linen.scan``.
 
   The tables gather their own parameters when they are called
-  (``zerojax.flax.gathered``); the layers arrive gathered, ``prefetch`` layers
+  (``zerojax.flax.linen.gathered``); the layers arrive gathered, ``prefetch`` layers
   ahead of their compute (``zerojax.scan``). On full parameters (stage 0,
   evaluation) nothing is gathered.
   """
@@ -101,21 +101,21 @@ class GPT(nn.Module):
     """Next-byte logits, shape ``tokens.shape + (VOCAB,)``; with ``targets``, the mean loss.
 
     With a ``schedule`` the layers run as pipeline stages over the mesh's
-    ``stage`` axis (``zerojax.flax.pipeline``, with the same parameters):
+    ``stage`` axis (``zerojax.flax.linen.pipeline``, with the same parameters):
     ``"gpipe"`` returns their output to the head; ``"1f1b"`` computes the loss
     in the last stage (so it needs ``targets``).
     """
-    embed, pos, norm_out = zerojax.flax.gathered(Tables)(self.d_model, self.seq_len)()
+    embed, pos, norm_out = zerojax.flax.linen.gathered(Tables)(self.d_model, self.seq_len)()
     # A one-hot matmul rather than a gather: its sharding follows the tokens' in
     # every view (a gather under explicit sharding must be told its output's).
     x = jax.nn.one_hot(tokens, VOCAB) @ embed + pos[: tokens.shape[1]]
     residual_std = 0.02 / math.sqrt(2 * self.n_layers)
     block = (self.d_model, self.n_heads, residual_std)
     if self.schedule is None:
-      layers = zerojax.flax.scan(Block, length=self.n_layers, prefetch=self.prefetch)
+      layers = zerojax.flax.linen.scan(Block, length=self.n_layers, prefetch=self.prefetch)
       x, _ = layers(*block, name="layers")(x, None)
     else:
-      layers = zerojax.flax.pipeline(
+      layers = zerojax.flax.linen.pipeline(
         Block,
         length=self.n_layers,
         microbatches=self.microbatches,

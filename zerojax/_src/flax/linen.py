@@ -52,9 +52,9 @@ def gathered(target: Any) -> Any:
     The wrapped class (or function).
 
   Example:
-    >>> import jax, jax.numpy as jnp, optax, zerojax, zerojax.flax
+    >>> import jax, jax.numpy as jnp, optax, zerojax, zerojax.flax.linen
     >>> import flax.linen as nn
-    >>> dense = zerojax.flax.gathered(nn.Dense)(64)
+    >>> dense = zerojax.flax.linen.gathered(nn.Dense)(64)
     >>> params = dense.init(jax.random.key(0), jnp.ones((8, 16)))["params"]
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
@@ -95,14 +95,14 @@ def remat_gathered(
     The wrapped class.
 
   Example:
-    >>> import jax, jax.numpy as jnp, zerojax.flax
+    >>> import jax, jax.numpy as jnp, zerojax.flax.linen
     >>> import flax.linen as nn
     >>> class Block(nn.Module):
     ...   @nn.compact
     ...   def __call__(self, h, _):
     ...     return jnp.tanh(nn.Dense(h.shape[-1])(h)), None
     >>> layers = nn.scan(
-    ...   zerojax.flax.remat_gathered(Block, prevent_cse=False),
+    ...   zerojax.flax.linen.remat_gathered(Block, prevent_cse=False),
     ...   variable_axes={"params": 0}, split_rngs={"params": True}, length=3,
     ... )()
     >>> params = layers.init(jax.random.key(0), jnp.ones((8, 32)), None)["params"]
@@ -122,7 +122,7 @@ def scan(
 ) -> type[nn.Module]:
   """``nn.scan`` of a layer over stacked parameters, run by ``zerojax.scan``.
 
-  ``zerojax.flax.scan(Block, length=n)`` is a module class that ``init`` s
+  ``zerojax.flax.linen.scan(Block, length=n)`` is a module class that ``init`` s
   exactly as ``nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params":
   True}, length=n)`` does (the same parameter tree, from the same random
   numbers), and that ``apply`` runs with ``zerojax.scan``: under
@@ -153,14 +153,14 @@ def scan(
     The module class.
 
   Example:
-    >>> import jax, jax.numpy as jnp, optax, zerojax, zerojax.flax
+    >>> import jax, jax.numpy as jnp, optax, zerojax, zerojax.flax.linen
     >>> import flax.linen as nn
     >>> class Block(nn.Module):
     ...   width: int
     ...   @nn.compact
     ...   def __call__(self, h, _):
     ...     return jnp.tanh(nn.Dense(self.width)(h)), None
-    >>> layers = zerojax.flax.scan(Block, length=3)(32)
+    >>> layers = zerojax.flax.linen.scan(Block, length=3)(32)
     >>> params = layers.init(jax.random.key(0), jnp.ones((8, 32)), None)["params"]
     >>> params["Dense_0"]["kernel"].shape
     (3, 32, 32)
@@ -180,7 +180,7 @@ def scan(
       others = sorted(set(self.variables) - {"params"})
       if others:
         raise ValueError(
-          f"zerojax.flax.scan scans parameters only, and {target.__name__} also has the "
+          f"zerojax.flax.linen.scan scans parameters only, and {target.__name__} also has the "
           f"collections {others}: use nn.scan for it, or keep that state out of the block."
         )
       block = target(**{name: getattr(self, name) for name in fields}, parent=None)
@@ -219,8 +219,8 @@ def pipeline(
 ) -> type[nn.Module]:
   """``nn.scan`` of a layer whose stack runs as a pipeline over the ``axis_name`` mesh axis.
 
-  ``zerojax.flax.pipeline(Block, length=n, microbatches=m)`` is a module
-  class that ``init`` s exactly as ``zerojax.flax.scan(Block, length=n)`` does
+  ``zerojax.flax.linen.pipeline(Block, length=n, microbatches=m)`` is a module
+  class that ``init`` s exactly as ``zerojax.flax.linen.scan(Block, length=n)`` does
   (the same parameter tree, stacked ``(n, ...)``, from the same random
   numbers), and that ``apply`` runs with ``zerojax.pipeline``: the stack is
   split into as many stages as the mesh axis has devices (``n`` must divide),
@@ -255,14 +255,14 @@ def pipeline(
     The module class.
 
   Example:
-    >>> import jax, jax.numpy as jnp, zerojax.flax
+    >>> import jax, jax.numpy as jnp, zerojax.flax.linen
     >>> import flax.linen as nn
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> class Block(nn.Module):
     ...   @nn.compact
     ...   def __call__(self, h, _):
     ...     return jnp.tanh(nn.Dense(h.shape[-1])(h)), None
-    >>> layers = zerojax.flax.pipeline(Block, length=4, microbatches=2)()
+    >>> layers = zerojax.flax.linen.pipeline(Block, length=4, microbatches=2)()
     >>> params = layers.init(jax.random.key(0), jnp.ones((8, 16)))["params"]
     >>> mesh = jax.make_mesh((2, 4), ("stage", "data"))
     >>> params = jax.device_put(params, NamedSharding(mesh, P("stage")))

@@ -1,12 +1,12 @@
 """NNX modules trained with ``zerojax.value_and_grad``.
 
 An NNX model holds its parameters; ``zerojax.value_and_grad`` differentiates a
-function of a parameter pytree. ``nnx_value_and_grad`` bridges the two the way
+function of a parameter pytree. ``value_and_grad`` bridges the two the way
 ``nnx.value_and_grad`` does: it splits the model into its ``nnx.Param`` state
 and the rest, and rebuilds the model inside the per-device loss.
-``nnx_gathered`` gathers one submodule's parameters where the model uses it,
-``nnx_scan`` runs a stack of layers with ``zerojax.scan``, and
-``nnx_pipeline`` splits such a stack into pipeline stages.
+``gathered`` gathers one submodule's parameters where the model uses it,
+``scan`` runs a stack of layers with ``zerojax.scan``, and
+``pipeline`` splits such a stack into pipeline stages.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from zerojax._src.step import scan as scan_lib
 from zerojax._src.step import value_and_grad as grad_lib
 
 
-def nnx_gathered(module: nnx.Module) -> nnx.Module:
+def gathered(module: nnx.Module) -> nnx.Module:
   """``module`` with its ``nnx.Param`` s gathered into full arrays.
 
-  Call it where the model uses a submodule, ``nnx_gathered(self.block)(h)``,
-  with ``nnx_value_and_grad(..., gather=False)``: each submodule is then whole
+  Call it where the model uses a submodule, ``gathered(self.block)(h)``,
+  with ``value_and_grad(..., gather=False)``: each submodule is then whole
   only while it runs, and inside an ``nnx.scan`` over stacked layers one layer
   at a time (checkpoint the scan body with ``nnx.remat(policy=
   zerojax.remat_policy)`` so that the backward pass gathers it again). The
@@ -41,17 +41,17 @@ def nnx_gathered(module: nnx.Module) -> nnx.Module:
     A module of the same graph with full parameters.
 
   Example:
-    >>> import jax.numpy as jnp, zerojax.flax
+    >>> import jax.numpy as jnp, zerojax.flax.nnx
     >>> from flax import nnx
     >>> linear = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
-    >>> zerojax.flax.nnx_gathered(linear)(jnp.ones((8, 16))).shape
+    >>> zerojax.flax.nnx.gathered(linear)(jnp.ones((8, 16))).shape
     (8, 64)
   """
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
   return nnx.merge(graphdef, shards_lib.gather(params), rest)
 
 
-def nnx_value_and_grad(
+def value_and_grad(
   loss_fn: Callable[..., Any],
   tx: ZeroTransformation,
   *,
@@ -87,7 +87,7 @@ def nnx_value_and_grad(
     gather: if True, the whole model is gathered before ``loss_fn`` sees it,
       which works with any model. If False, its parameters are
       ``zerojax.Shard`` s, and the model gathers each submodule where it uses
-      it with ``nnx_gathered`` (stage 3's memory saving, layer by layer).
+      it with ``gathered`` (stage 3's memory saving, layer by layer).
     microbatches: as for ``zerojax.value_and_grad``. (A policy with a loss
       scale needs the explicit ``zerojax.value_and_grad``, which is given the
       optimizer state; other precision policies work here.)
@@ -97,7 +97,7 @@ def nnx_value_and_grad(
     grads)``.
 
   Example:
-    >>> import jax, jax.numpy as jnp, optax, zerojax, zerojax.flax
+    >>> import jax, jax.numpy as jnp, optax, zerojax, zerojax.flax.nnx
     >>> from flax import nnx
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh)
@@ -108,7 +108,7 @@ def nnx_value_and_grad(
     ...   return jnp.mean(model(x) ** 2)
     >>> @nnx.jit
     ... def train_step(model, optimizer, x):
-    ...   loss, grads = zerojax.flax.nnx_value_and_grad(loss_fn, tx)(model, x)
+    ...   loss, grads = zerojax.flax.nnx.value_and_grad(loss_fn, tx)(model, x)
     ...   optimizer.update(model, grads)
     ...   return loss
     >>> loss = train_step(model, optimizer, jnp.ones((8, 16)))
@@ -131,7 +131,7 @@ def nnx_value_and_grad(
   return value_and_grad_fn
 
 
-def nnx_scan(
+def scan(
   f: Callable[..., tuple[Any, Any]],
   layers: nnx.Module,
   carry: Any,
@@ -145,9 +145,9 @@ def nnx_scan(
 
   ``f(layer, carry, x) -> (carry, y)`` runs once per layer, on the layer
   rebuilt from its slice of ``layers``' state. Under
-  ``nnx_value_and_grad(..., gather=False)`` each layer's parameters arrive
+  ``value_and_grad(..., gather=False)`` each layer's parameters arrive
   gathered, one layer ahead of the compute with ``prefetch=1`` (see
-  ``zerojax.scan``), so ``f`` needs no ``nnx_gathered`` and no ``nnx.remat``.
+  ``zerojax.scan``), so ``f`` needs no ``gathered`` and no ``nnx.remat``.
   Layers are read, not written: what ``f`` changes in a layer's state is lost.
 
   Args:
@@ -163,11 +163,11 @@ def nnx_scan(
     ``(carry, ys)``.
 
   Example:
-    >>> import jax, jax.numpy as jnp, zerojax.flax
+    >>> import jax, jax.numpy as jnp, zerojax.flax.nnx
     >>> from flax import nnx
     >>> layers = nnx.vmap(lambda rngs: nnx.Linear(16, 16, rngs=rngs))(nnx.Rngs(0).split(3))
     >>> step = lambda layer, h, _: (jnp.tanh(layer(h)), None)
-    >>> zerojax.flax.nnx_scan(step, layers, jnp.ones((8, 16)))[0].shape
+    >>> zerojax.flax.nnx.scan(step, layers, jnp.ones((8, 16)))[0].shape
     (8, 16)
   """
   graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
@@ -186,7 +186,7 @@ def nnx_scan(
   )
 
 
-def nnx_pipeline(
+def pipeline(
   f: Callable[..., Any],
   layers: nnx.Module,
   carry: Any,
@@ -206,7 +206,7 @@ def nnx_pipeline(
   The stack's ``n`` layers are split into as many stages as the mesh's
   ``axis_name`` axis has devices (``n`` must divide), each stage runs its
   layers with ``zerojax.scan`` (``f(layer, carry) -> carry`` once per layer,
-  each layer gathered one ahead under ``nnx_value_and_grad(..., gather=False)``),
+  each layer gathered one ahead under ``value_and_grad(..., gather=False)``),
   and micro-batches of ``carry`` flow through the stages as ``schedule``
   says. Place the stack's state on the stage axis along its leading
   dimension before ``tx.shard``. Layers are read, not written.
@@ -231,7 +231,7 @@ def nnx_pipeline(
     The last stage's output, or the mean loss with ``loss_fn``.
 
   Example:
-    >>> import jax, jax.numpy as jnp, zerojax.flax
+    >>> import jax, jax.numpy as jnp, zerojax.flax.nnx
     >>> from flax import nnx
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> layers = nnx.vmap(lambda rngs: nnx.Linear(16, 16, rngs=rngs))(nnx.Rngs(0).split(4))
@@ -240,7 +240,7 @@ def nnx_pipeline(
     >>> nnx.update(layers, jax.device_put(state, NamedSharding(mesh, P("stage"))))
     >>> step = lambda layer, h: jnp.tanh(layer(h))
     >>> with jax.set_mesh(mesh):
-    ...   y = zerojax.flax.nnx_pipeline(step, layers, jnp.ones((8, 16)), microbatches=2)
+    ...   y = zerojax.flax.nnx.pipeline(step, layers, jnp.ones((8, 16)), microbatches=2)
     >>> y.shape
     (8, 16)
   """
