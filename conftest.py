@@ -42,6 +42,7 @@ MODULE_SECONDS = {
   "test_export": 12,
   "test_accumulation": 12,
   "test_estimate": 12,
+  "test_init": 10,
   "test_transformation": 9,
   "test_cli_errors": 7,
   "nnx": 6,

@@ -96,17 +96,20 @@ class ShardedOptimizer:
         logical=plans.sharded,
       )
 
+  def fresh_state(self, params: Any, plans: Plans) -> ZeroState:
+    """The state ``init`` makes of ``params`` (full precision, logical or stored), as global
+    arrays: the caller places it (``state_specs``) and offloads it."""
+    settings = self.settings
+    master = plans.to_master(params)
+    return ZeroState(
+      inner_state=plans.state.pad(settings.inner.init(master)),
+      master=None if plans.master is None else plans.master.pad(master),
+      **fresh_loss_scale_and_counters(settings.precision),
+    )
+
   def _init_impl(self, params, plans: Plans):
     settings = self.settings
-
-    def init(params):
-      master = plans.to_master(params)
-      return ZeroState(
-        inner_state=plans.state.pad(settings.inner.init(master)),
-        master=None if plans.master is None else plans.master.pad(master),
-        **fresh_loss_scale_and_counters(settings.precision),
-      )
-
+    init = lambda params: self.fresh_state(params, plans)
     state = mesh_lib.global_view(settings.mesh, init, plans.state_specs())(params)
     return settings.offload.store(state)
 

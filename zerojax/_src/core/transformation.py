@@ -12,6 +12,7 @@ docs/design.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -176,6 +177,55 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       placed = plans.params.map(place, store(params))
     return self._as_stored(plans, placed)
 
+  def sharded_init(self, init_fn: Callable[..., Any]) -> Any:
+    """A jitted function that initialises the parameters and the optimizer state into shards.
+
+    ``init = tx.sharded_init(init_fn)`` and then ``params, opt_state =
+    init(*args)`` give what ``params = init_fn(*args)``, ``opt_state =
+    tx.init(params)`` and ``params = tx.shard(params)`` give, without ever
+    making the whole model: ``init_fn`` runs in one program whose outputs are
+    placed as the stage stores them, so the compiler partitions every
+    initialiser (JAX's random numbers are the same however they are split)
+    and each device computes its own shards, on a mesh of explicit axes too
+    (where a value traced without a sharding would be whole on every device).
+    ``init.lower(*args).compile().memory_analysis()`` says what it holds.
+
+    Args:
+      init_fn: makes the full-precision parameters, e.g.
+        ``lambda key: model.init(key, x)["params"]``; its arguments are
+        ``init``'s (a PRNG key, example inputs).
+
+    Returns:
+      The jitted ``init(*args, **kwargs) -> (params, opt_state)``, run and
+      lowered under ``tx.mesh`` (``jax.set_mesh``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zerojax
+      >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+      >>> init_fn = lambda key: {"w": jax.random.normal(key, (512, 1001))}
+      >>> params, opt_state = tx.sharded_init(init_fn)(jax.random.key(0))
+      >>> params["w"].value.addressable_shards[0].data.shape, params["w"].layout.shape
+      ((512, 126), (512, 1001))
+      >>> bool(jnp.all(tx.gather(params)["w"] == init_fn(jax.random.key(0))["w"]))
+      True
+    """
+    optimizer = self._optimizer
+    settings = optimizer.settings
+
+    def init(*args: Any, **kwargs: Any) -> tuple[Any, ZeroState]:
+      plans = optimizer.plans(jax.eval_shape(init_fn, *args, **kwargs))
+
+      def fresh(*args: Any, **kwargs: Any) -> tuple[Any, ZeroState]:
+        full = init_fn(*args, **kwargs)
+        stored = plans.as_stored(plans.params.map(_cast, full))
+        return stored, optimizer.fresh_state(full, plans)
+
+      specs = (plans.params.specs(), plans.state_specs())
+      params, state = mesh_lib.global_view(self.mesh, fresh, specs)(*args, **kwargs)
+      return self._as_stored(plans, params), settings.offload.store(state)
+
+    return _UnderMesh(jax.jit(init), self.mesh)
+
   def _as_stored(self, plans: Plans, tree: Any) -> Any:
     """A plain tree in the stored parameters' layout, as ``shard`` returns it."""
     if self._optimizer.settings.stage.splits_params:
@@ -271,6 +321,21 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
 
 def _is_shard(x: Any) -> bool:
   return isinstance(x, shards_lib.Shard)
+
+
+class _UnderMesh:
+  """A jitted function that is called and lowered under its mesh (explicit axes need it)."""
+
+  def __init__(self, jitted: Any, mesh: Mesh):
+    self._jitted, self._mesh = jitted, mesh
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    with mesh_lib.set_mesh_unless_traced(self._mesh, args, kwargs):
+      return self._jitted(*args, **kwargs)
+
+  def lower(self, *args: Any, **kwargs: Any) -> Any:
+    with mesh_lib.set_mesh_unless_traced(self._mesh, args, kwargs):
+      return self._jitted.lower(*args, **kwargs)
 
 
 def unwrap(tx: Any) -> ShardedOptimizer:
