@@ -38,6 +38,7 @@ MODULE_SECONDS = {
   "test_ordering": 26,
   "test_bad_input": 24,
   "test_layout": 13,
+  "test_forward": 13,
   "linen": 12,
   "test_export": 12,
   "test_accumulation": 12,

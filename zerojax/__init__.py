@@ -34,6 +34,7 @@ from zerojax._src.sharding.layout import (
   default_shard_dim,
 )
 from zerojax._src.sharding.stored import Stored
+from zerojax._src.step.forward import forward
 from zerojax._src.step.scan import scan
 from zerojax._src.step.value_and_grad import value_and_grad
 
@@ -62,6 +63,7 @@ __all__ = (
   "estimate_tree_memory",
   "except_gathered",
   "export_safetensors",
+  "forward",
   "gather",
   "load_params",
   "pipeline",

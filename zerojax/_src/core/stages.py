@@ -42,7 +42,8 @@ class Route:
   The gradient path calls, in order: ``differentiable`` (what ``jax.grad``
   differentiates), ``for_loss`` (what the loss function sees), ``accumulable``
   (a micro-batch's gradient, as summed over micro-batches) and ``finish`` (the
-  sum over every device of the batch axes, before the mean is taken).
+  sum over every device of the batch axes, before the mean is taken). A
+  forward pass (``zerojax.forward``) calls ``for_forward`` alone.
   """
 
   name = "route"
@@ -52,6 +53,10 @@ class Route:
 
   def for_loss(self, leaf, param, differentiable, settings: Settings) -> Any:
     raise NotImplementedError
+
+  def for_forward(self, leaf: layout_lib.LeafLayout, param: Any, settings: Settings) -> Any:
+    """What a forward pass sees, with no gradient to route: the parameter in the compute dtype."""
+    return param.astype(settings.precision.compute_dtype(leaf.dtype))
 
   def accumulable(self, leaf, grad: jax.Array, settings: Settings) -> jax.Array:
     raise NotImplementedError
@@ -155,6 +160,9 @@ class _ScatteredByGather(_ScatteredInLoss):
 
   def for_loss(self, leaf, param, differentiable, settings):
     return self._shard(leaf, differentiable, None, settings)
+
+  def for_forward(self, leaf, param, settings):
+    return self._shard(leaf, param, None, settings)  # gathered where the model uses it
 
 
 ALL_REDUCED = _AllReduced()

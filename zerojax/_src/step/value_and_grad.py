@@ -128,22 +128,13 @@ class _ValueAndGrad:
         "f(params, x, y) (opt_state= is its only keyword)."
       )
     settings = self.settings
-    checks.not_manual(settings)
-    plans = self.optimizer.plans(params)
     # Stage 3's Stored parameters give Stored gradients, as jax.grad of them would.
     wrapped = stored_lib.wraps(params)
-    params = plans.arrays(params, settings.mesh)
-    checks.params(params, plans.params, settings)
-    checks.batch(batch, settings, self.microbatches)
     scale = self._loss_scale(opt_state)
-    data = layout_lib.entry(settings.data_axes)
-    param_specs = plans.params.map(lambda leaf: _data_only(leaf, data))
-    grad_specs = plans.sharded.map(lambda leaf: _data_only(leaf, data))
-    batch_specs = tuple(jax.tree.map(lambda _: P(settings.batch_axes), b) for b in batch)
-    if mesh_lib.is_explicit(settings.mesh):
-      # Explicit axes: shard_map takes inputs only as they are typed, so place them.
-      params = _reshard(params, plans.params.specs(), settings.mesh)
-      batch = _reshard(batch, batch_specs, settings.mesh)
+    plans, params, batch, (param_specs, batch_specs) = placed(
+      self.optimizer, params, batch, self.microbatches
+    )
+    grad_specs = plans.sharded.map(lambda leaf: _data_only(leaf, settings.data_axes))
     per_device = lambda params, scale, *batch: self._per_device(plans, params, scale, *batch)
     mapped = jax.shard_map(
       ordering.ordered(settings.mesh, per_device),
@@ -159,7 +150,7 @@ class _ValueAndGrad:
   def _per_device(self, plans: Plans, params, scale, *batch):
     """One device's loss, its aux per micro-batch, and its finished gradient shards."""
     settings = self.settings
-    routed = lambda method, *trees: _per_leaf_route(plans.sharded, settings, method, *trees)
+    routed = lambda method, *trees: per_leaf_route(plans.sharded, settings, method, *trees)
     differentiable = routed(lambda route, leaf, p: route.differentiable(leaf, p, settings), params)
 
     def for_loss(route, leaf, param, differentiable):
@@ -252,7 +243,25 @@ class _ValueAndGrad:
     return opt_state.loss_scale.scale
 
 
-def _per_leaf_route(layout: layout_lib.Layout, settings, method, *trees: Any) -> Any:
+def placed(optimizer, params, batch, microbatches: int = 1) -> tuple[Any, Any, Any, Any]:
+  """``params`` and ``batch`` checked and placed for a program under ``jax.shard_map`` over the
+  batch axes: ``(plans, params, batch, (param_specs, batch_specs))``, the params as arrays."""
+  settings = optimizer.settings
+  checks.not_manual(settings)
+  plans = optimizer.plans(params)
+  params = plans.arrays(params, settings.mesh)
+  checks.params(params, plans.params, settings)
+  checks.batch(batch, settings, microbatches)
+  param_specs = plans.params.map(lambda leaf: _data_only(leaf, settings.data_axes))
+  batch_specs = tuple(jax.tree.map(lambda _: P(settings.batch_axes), b) for b in batch)
+  if mesh_lib.is_explicit(settings.mesh):
+    # Explicit axes: shard_map takes inputs only as they are typed, so place them.
+    params = _reshard(params, plans.params.specs(), settings.mesh)
+    batch = _reshard(batch, batch_specs, settings.mesh)
+  return plans, params, batch, (param_specs, batch_specs)
+
+
+def per_leaf_route(layout: layout_lib.Layout, settings, method, *trees: Any) -> Any:
   """``method(route, leaf, *values)`` for every leaf, with the ``Route`` its stage gives it."""
   route_of = settings.stage.route_of
   return layout.map(lambda leaf, *values: method(route_of(leaf), leaf, *values), *trees)
@@ -301,8 +310,9 @@ def _reshard(tree, specs, mesh):
   )
 
 
-def _data_only(leaf: layout_lib.LeafLayout, data: Any) -> P:
+def _data_only(leaf: layout_lib.LeafLayout, data_axes: tuple[str, ...]) -> P:
   """The leaf's spec over the data axes alone (the other axes are not ``shard_map``'s)."""
+  data = layout_lib.entry(data_axes)
   if leaf.dim is None:
     return P()
   spec = [None] * len(leaf.shape)

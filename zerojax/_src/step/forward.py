@@ -1,0 +1,101 @@
+"""``forward``: a model's forward pass per device, on stored parameters, never gathering the model.
+
+``zerojax.value_and_grad`` without the VJP: the same ``jax.shard_map`` over the
+batch axes, each device on its slice of the batch, stage 3's parameters as
+``zerojax.Shard`` s that ``zerojax.gather`` and ``zerojax.scan`` open where the
+model uses them (one layer at a time in a scan), and no gradient to reduce.
+For evaluating (logits, per-example losses, metrics) and sampling (a KV cache
+is one more batch argument, split like the batch) a model no device holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from zerojax._src.comm import ordering
+from zerojax._src.core import transformation as zero_lib
+from zerojax._src.step import value_and_grad as grad_lib
+
+
+def forward(fn: Callable[..., Any], tx: zero_lib.ZeroTransformation) -> Callable[..., Any]:
+  """``fn(params, *batch)`` run per device on its slice of the batch, on stored parameters.
+
+  The returned ``f(params, *batch)`` splits every leaf of every ``batch``
+  argument along its leading dimension over the batch axes, as
+  ``zerojax.value_and_grad`` does, and calls ``fn`` once per device on its
+  slice. Inside, stage 3's parameters are ``zerojax.Shard`` s: open them with
+  ``zerojax.gather`` or ``zerojax.scan`` where the model uses them, and only
+  the layer in use is ever whole (stages 1 and 2 give the replicated arrays).
+  Parameters arrive in the precision policy's compute dtype. Every leaf ``fn``
+  returns must have a leading batch axis: the devices' results are laid side
+  by side along it, as the batch was split (logits, per-example losses, a KV
+  cache).
+
+  Args:
+    fn: ``fn(params, *batch)`` returning a pytree of per-example arrays.
+    tx: the ``ZeroTransformation`` that stores the parameters.
+
+  Returns:
+    ``f(params, *batch)`` returning ``fn``'s outputs for the whole batch.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax
+    >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> params = tx.shard({"w": jnp.eye(64)})
+    >>> logits = lambda params, x: x @ zerojax.gather(params)["w"]
+    >>> x = jnp.arange(8 * 64.0).reshape(8, 64)
+    >>> bool(jnp.all(jax.jit(zerojax.forward(logits, tx))(params, x) == x))
+    True
+  """
+  try:
+    optimizer = zero_lib.unwrap(tx)
+  except ValueError as error:
+    raise ValueError(f"forward needs the zerojax transformation: {error}") from None
+  return _Forward(fn, optimizer)
+
+
+class _Forward:
+  """The function ``forward`` returns: one data-parallel forward program."""
+
+  def __init__(self, fn: Callable[..., Any], optimizer: Any):
+    self.fn = fn
+    self.optimizer = optimizer
+    self.settings = optimizer.settings
+
+  def __call__(self, params: Any, *batch: Any) -> Any:
+    settings = self.settings
+    plans, params, batch, (param_specs, batch_specs) = grad_lib.placed(
+      self.optimizer, params, batch
+    )
+
+    def per_device(params, *batch):
+      opened = grad_lib.per_leaf_route(
+        plans.sharded, settings, lambda route, leaf, p: route.for_forward(leaf, p, settings), params
+      )
+      return _per_example(self.fn(opened, *batch))
+
+    return jax.shard_map(
+      ordering.ordered(settings.mesh, per_device),
+      mesh=settings.mesh,
+      in_specs=(param_specs, *batch_specs),
+      out_specs=P(settings.batch_axes),
+      axis_names=set(settings.batch_axes),
+    )(params, *batch)
+
+
+def _per_example(out: Any) -> Any:
+  """``out``, checked to have a leading batch axis in every leaf."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+    if jax.numpy.ndim(leaf) == 0:
+      where = jax.tree_util.keystr(path) or "its output"
+      raise ValueError(
+        f"zerojax.forward's fn returned a scalar at {where}: each device runs fn on its slice "
+        "of the batch, and the results are laid side by side along the batch axis. Return "
+        "per-example values (the per-example losses, say: jnp.mean of them outside forward is "
+        "the loss on the whole batch)."
+      )
+  return out
