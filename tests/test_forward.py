@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType
 
 import zerojax
 import zerojax.flax.linen
+import zerojax.flax.nnx
 from tests.helpers import ROUNDING, STAGES
 
 MESH_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
@@ -151,3 +153,24 @@ def test_a_scalar_output_says_to_return_per_example_values():
     zerojax.forward(loss, tx)(params, jnp.ones((8, 64)))
   per_example = lambda params, x: jnp.mean(x @ zerojax.gather(params)["w"], axis=-1)
   assert float(np.mean(zerojax.forward(per_example, tx)(params, jnp.ones((8, 64))))) == 64.0
+
+
+class NnxModel(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(13, D, rngs=rngs)
+    self.out = nnx.Linear(D, VOCAB, rngs=rngs)  # 37 columns: padded at stage 3
+
+  def __call__(self, x):  # each submodule gathered where it is called
+    gathered = zerojax.flax.nnx.gathered
+    return gathered(self.out)(jnp.tanh(gathered(self.hidden)(x)))
+
+
+@pytest.mark.parametrize("types", MESH_TYPES.values(), ids=MESH_TYPES)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_nnx_model_evaluates_on_stored_parameters(stage, types):
+  tx = STAGES[stage](optax.sgd(0.1), mesh=mesh_of(types), min_shard_size=1)
+  model, x = NnxModel(nnx.Rngs(5)), jax.random.normal(jax.random.key(6), (BATCH, 13))
+  expected = model(x)
+  nnx.update(model, tx.shard(nnx.state(model, nnx.Param)))
+  logits = zerojax.flax.nnx.forward(lambda model, x: model(x), tx, gather=False)(model, x)
+  chex.assert_trees_all_close(logits, expected, **ROUNDING)

@@ -19,6 +19,7 @@ from flax import nnx
 from zerojax._src.comm import shards as shards_lib
 from zerojax._src.core.transformation import ZeroTransformation
 from zerojax._src.pipeline import loop as pipeline_lib
+from zerojax._src.step import forward as forward_lib
 from zerojax._src.step import scan as scan_lib
 from zerojax._src.step import value_and_grad as grad_lib
 
@@ -117,18 +118,57 @@ def value_and_grad(
   """
 
   def value_and_grad_fn(model, *batch):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss_of_params(params, *batch):
-      params = shards_lib.gather(params) if gather else params
-      return loss_fn(nnx.merge(graphdef, params, rest), *batch)
-
-    grad_fn = grad_lib.value_and_grad(
-      loss_of_params, tx, has_aux=has_aux, microbatches=microbatches
-    )
+    of_params, params = _of_params(loss_fn, model, gather)
+    grad_fn = grad_lib.value_and_grad(of_params, tx, has_aux=has_aux, microbatches=microbatches)
     return grad_fn(params, *batch)
 
   return value_and_grad_fn
+
+
+def forward(fn: Callable[..., Any], tx: ZeroTransformation, *, gather: bool = True) -> Any:
+  """``zerojax.forward`` for an NNX model: ``fn(model, *batch)`` per device, on stored parameters.
+
+  As ``value_and_grad`` splits the model into its parameters and the rest, so
+  does this, and rebuilds it on each device for ``fn``, on that device's
+  slice of the batch. Every leaf ``fn`` returns has a leading batch axis.
+
+  Args:
+    fn: ``fn(model, *batch)`` returning per-example arrays (logits, losses).
+    tx: the ``ZeroTransformation`` that stores the model's parameters.
+    gather: as for ``value_and_grad``: False keeps the parameters
+      ``zerojax.Shard`` s, for a model that gathers each submodule where it
+      uses it (``gathered``, ``scan``), so that the model is never whole.
+
+  Returns:
+    ``f(model, *batch)`` returning ``fn``'s outputs for the whole batch.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zerojax, zerojax.flax.nnx
+    >>> from flax import nnx
+    >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+    >>> nnx.update(model, tx.shard(nnx.state(model, nnx.Param)))
+    >>> logits = zerojax.flax.nnx.forward(lambda model, x: model(x), tx)(model, jnp.ones((8, 16)))
+    >>> logits.shape
+    (8, 64)
+  """
+
+  def forward_fn(model, *batch):
+    of_params, params = _of_params(fn, model, gather)
+    return forward_lib.forward(of_params, tx)(params, *batch)
+
+  return forward_fn
+
+
+def _of_params(fn: Callable[..., Any], model: nnx.Module, gather: bool) -> tuple[Any, Any]:
+  """``fn(model, *batch)`` as a function of the model's parameters, and those parameters."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def of_params(params, *batch):
+    params = shards_lib.gather(params) if gather else params
+    return fn(nnx.merge(graphdef, params, rest), *batch)
+
+  return of_params, params
 
 
 def scan(
