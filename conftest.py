@@ -35,7 +35,7 @@ MODULE_SECONDS = {
   "test_api": 29,
   "test_elastic": 28,
   "test_hpz": 27,
-  "test_ordering": 26,
+  "ordering_test": 26,
   "test_bad_input": 24,
   "test_layout": 13,
   "linen": 12,
