@@ -4,7 +4,8 @@
 bytes; ``count_collectives`` and ``count_collectives_by_axes`` read those
 bytes from any compiled program's HLO; ``loop_collectives`` says, for each
 loop of a compiled program (a layer scan), which of its collectives the
-compute inside waits on and which run asynchronously under compute.
+compute inside waits on and which run asynchronously under compute;
+``pipeline_slots`` counts the slots a pipeline stage runs, its bubble.
 
 Compiling for GPUs and TPUs this machine does not have: start a process with
 ``deviceless_environment(target)`` (one of ``DEVICELESS_TARGETS``: ``"h100x8"``,
@@ -27,6 +28,7 @@ from zerojax._src.diagnostics.gpu_log import ComputationEstimate, StepEstimate, 
 from zerojax._src.diagnostics.hlo import Collective, count_collectives, count_collectives_by_axes
 from zerojax._src.diagnostics.overlap import LoopCollectives, loop_collectives
 from zerojax._src.diagnostics.profile import StepProfile, profile
+from zerojax._src.diagnostics.slots import pipeline_slots
 
 __all__ = (
   "DEVICELESS_TARGETS",
@@ -43,6 +45,7 @@ __all__ = (
   "deviceless_mesh",
   "deviceless_target",
   "loop_collectives",
+  "pipeline_slots",
   "profile",
   "scheduler_estimate",
 )
