@@ -1,8 +1,9 @@
-"""What the test files share: the stages, exact comparisons, checkpoints' padding, worker and
-launcher runs.
+"""What the test files share: the stages, exact comparisons, checkpoints (their test model and
+states, their padding, exported files), worker and launcher runs.
 
 Test files import from here (and from the models in ``tests/models.py`` and
-``tests/multi_axis_model.py``), never from each other.
+``tests/multi_axis_model.py``), never from each other; so do the tests beside zerojax's private
+modules (``zerojax/_src/<folder>/<module>_test.py``).
 """
 
 import functools
