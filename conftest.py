@@ -6,13 +6,14 @@ from tests import environment
 
 environment.prepare()  # before JAX is imported: it reads the environment then
 
-#: Seconds each module takes on CI (a worker's wall time, from a run of the suite; the doctests of
-#: a zerojax module under its name), rounded. pytest-xdist hands whole modules to its workers in
-#: collection order (``--no-loadscope-reorder`` in pyproject.toml), so the longest go first and
-#: the short ones fill in around them, instead of a long one starting last and running alone.
-#: The long ones include those that mostly wait on subprocesses (SLURM, restarts), which start
-#: early so that the others fill the cores meanwhile. A module not listed counts as shorter than
-#: any listed.
+#: Seconds each module takes on CI (a worker's wall time, from a run of the suite; the doctests of a
+#: zerojax module under its name, the tests beside one under theirs, ``*_test``), rounded; the
+#: ``*_test`` modules and what they left behind are estimated from local runs. pytest-xdist hands
+#: whole modules to its workers in collection order (``--no-loadscope-reorder`` in pyproject.toml),
+#: so the longest go first and the short ones fill in around them, instead of a long one starting
+#: last and running alone. The long ones include those that mostly wait on subprocesses (SLURM,
+#: restarts), which start early so that the others fill the cores meanwhile. A module not listed
+#: counts as shorter than any listed.
 MODULE_SECONDS = {
   "test_equivalence": 143,
   "test_overlap": 135,
@@ -24,8 +25,8 @@ MODULE_SECONDS = {
   "test_multiprocess": 88,
   "test_checkpoint": 79,
   "test_flax": 66,
-  "test_quantize": 59,
   "test_accelerators": 53,
+  "test_quantize": 46,
   "test_pipeline_models": 45,
   "test_nonfinite": 45,
   "test_docs": 45,
@@ -35,17 +36,19 @@ MODULE_SECONDS = {
   "test_api": 29,
   "test_elastic": 28,
   "test_hpz": 27,
-  "test_ordering": 26,
+  "ordering_test": 26,
   "test_bad_input": 24,
-  "test_layout": 13,
   "test_forward": 13,
+  "quantized_test": 13,
   "linen": 12,
-  "test_export": 12,
   "test_accumulation": 12,
   "test_estimate": 12,
   "test_init": 10,
+  "layout_test": 9,
   "test_transformation": 9,
+  "export_test": 7,
   "test_cli_errors": 7,
+  "test_export": 6,
   "nnx": 6,
   "scan": 6,
   "test_randomness": 5,

@@ -48,7 +48,12 @@ from jax.sharding import PartitionSpec as P
 from model import AXIS
 
 import zerojax
-from zerojax._src.diagnostics import deviceless
+from zerojax.diagnostics import (
+  DEVICELESS_TARGETS,
+  deviceless_environment,
+  deviceless_mesh,
+  deviceless_target,
+)
 
 MIB = 2**20
 #: The models, by name: (the stack's shape, the targets it is compiled for by default).
@@ -85,7 +90,7 @@ ZERO3 = (
 )
 SETUPS = ("plain DP", "GSPMD FSDP", "zero1", "zero2", *ZERO3)
 #: XLA:GPU flag sets ``--gpu-flags`` compares (each on top of XLA's defaults and
-#: ``deviceless.GPU_FLAGS``).
+#: the flags ``zerojax.diagnostics.deviceless_environment`` sets on GPU).
 GPU_FLAGS = {
   "defaults": "",
   "collective overlap limit 2": "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
@@ -113,9 +118,9 @@ GPU_FLAGS = {
 
 def build(name: str, config: mlp.MlpConfig, target: str, precision: str, policy: str):
   """The ``setups.Setup`` called ``name``, with abstract arguments on ``target``'s devices."""
-  count = deviceless.find_target(target).device_count
-  auto = deviceless.mesh(target, (count,), (AXIS,), (AxisType.Auto,))
-  explicit = deviceless.mesh(target, (count,), (AXIS,), (AxisType.Explicit,))
+  count = deviceless_target(target).device_count
+  auto = deviceless_mesh(target, (count,), (AXIS,), (AxisType.Auto,))
+  explicit = deviceless_mesh(target, (count,), (AXIS,), (AxisType.Explicit,))
   option, dtype = PRECISIONS[precision]
   chosen = POLICIES[policy]
   params = mlp.abstract_params(config)
@@ -155,7 +160,7 @@ def measure(setup: setups_lib.Setup, target: str) -> dict[str, Any]:
       [loop.asynchronous, loop.overlapped, loop.gathers + loop.reductions] for loop in loops
     ],
   }
-  if deviceless.find_target(target).platform == "cuda":
+  if deviceless_target(target).platform == "cuda":
     estimate = zerojax.diagnostics.scheduler_estimate(log[0], compiled)
     result |= {
       "cycles": estimate.cycles,
@@ -190,7 +195,7 @@ def cell(
   with tempfile.NamedTemporaryFile(suffix=".json") as out:
     command = [sys.executable, os.path.abspath(__file__), "--child", target, "--out", out.name]
     command += ["--model", model, "--precision", precision, "--policy", policy, "--setups", *names]
-    env = {**os.environ, **deviceless.environment(target, xla_flags=flags)}
+    env = {**os.environ, **deviceless_environment(target, xla_flags=flags)}
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
       raise RuntimeError(f"compiling for {target} failed:\n{done.stderr[-4000:]}")
@@ -263,7 +268,7 @@ def run(args: argparse.Namespace) -> list[str]:
   if args.scale:
     config = MODELS["7.5b"]
     results = cell("v5e-64", "7.5b", "bf16", args.policy, ("GSPMD FSDP", *ZERO3))
-    hbm = deviceless.TARGETS["v5e-64"].hbm_bytes / 2**30
+    hbm = deviceless_target("v5e-64").hbm_bytes / 2**30
     lines += report.section(
       f"TPU v5e 8 x 8 ({hbm:.2f} GiB of HBM a chip)",
       describe("7.5b", config, "bf16", args.policy),
@@ -275,7 +280,7 @@ def run(args: argparse.Namespace) -> list[str]:
       for policy in POLICIES:
         config = MODELS[args.models[0]]
         results = cell(target, args.models[0], "fp32", policy, ("GSPMD FSDP", "zero3 scan"))
-        gpu = deviceless.TARGETS[target].platform == "cuda"
+        gpu = deviceless_target(target).platform == "cuda"
         title = f"{target}, remat policy {policy}"
         lines += report.section(title, table(results, config, gpu))
     return lines
@@ -292,7 +297,7 @@ def run(args: argparse.Namespace) -> list[str]:
     for precision in args.precisions:
       for target in args.targets:
         results = cell(target, model, precision, args.policy, SETUPS)
-        gpu = deviceless.TARGETS[target].platform == "cuda"
+        gpu = deviceless_target(target).platform == "cuda"
         lines += report.section(
           f"{target}, {model}, {precision}",
           describe(model, config, precision, args.policy),
@@ -319,7 +324,7 @@ def main() -> None:
   modes.add_argument("--policies", action="store_true", help="each remat policy, FSDP and zero3")
   modes.add_argument("--gpu-flags", action="store_true", help="XLA:GPU flag sets compared")
   report.add_output_flags(parser)
-  parser.add_argument("--child", choices=sorted(deviceless.TARGETS), help=argparse.SUPPRESS)
+  parser.add_argument("--child", choices=DEVICELESS_TARGETS, help=argparse.SUPPRESS)
   parser.add_argument("--model", help=argparse.SUPPRESS)
   parser.add_argument("--precision", help=argparse.SUPPRESS)
   parser.add_argument("--setups", nargs="+", help=argparse.SUPPRESS)

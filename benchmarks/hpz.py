@@ -44,7 +44,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax._src.diagnostics import deviceless
+from zerojax.diagnostics import (
+  deviceless_environment,
+  deviceless_mesh,
+  deviceless_target,
+)
 
 #: Set in the compiling process that ``--target`` starts.
 _TARGET_PROCESS = "ZEROJAX_HPZ_BENCHMARK_TARGET"
@@ -99,7 +103,7 @@ def main() -> None:
 def _in_target_process(target: str) -> int:
   """Runs this script again in a process that compiles for ``target`` (see the docstring)."""
   flags = os.environ.get("XLA_FLAGS", "")
-  env = {**os.environ, **deviceless.environment(target, xla_flags=flags), _TARGET_PROCESS: target}
+  env = {**os.environ, **deviceless_environment(target, xla_flags=flags), _TARGET_PROCESS: target}
   return subprocess.run([sys.executable, *sys.argv], env=env).returncode
 
 
@@ -107,7 +111,7 @@ def measure(name: str, config: mlp.MlpConfig, path: str) -> dict:
   """Compiles ``name``'s step and reads its bytes per axis, memory and (GPU) XLA's estimate."""
   target = os.environ.get(_TARGET_PROCESS)
   if target:
-    mesh = deviceless.mesh(target, (2, 4), ("node", "data"), (AxisType.Explicit,) * 2)
+    mesh = deviceless_mesh(target, (2, 4), ("node", "data"), (AxisType.Explicit,) * 2)
   else:
     zerojax.distributed.use_cpu_devices(8)
     mesh = jax.make_mesh((2, 4), ("node", "data"))
@@ -136,7 +140,7 @@ def measure(name: str, config: mlp.MlpConfig, path: str) -> dict:
     "temporaries": memory.temp_size_in_bytes,
     "predicted": _predicted(config, tx, mesh),
   }
-  if target and deviceless.find_target(target).platform == "cuda":
+  if target and deviceless_target(target).platform == "cuda":
     result["cycles"] = zerojax.diagnostics.scheduler_estimate(log[0], compiled).cycles
   return result
 

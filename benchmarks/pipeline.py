@@ -259,7 +259,7 @@ def run(
   timetable = zerojax.pipeline_timetable(
     schedule, stages=MESH["stage"], microbatches=microbatches, **virtual
   )
-  forward, backward = slots_run(compiled.as_text())
+  forward, backward = zerojax.diagnostics.pipeline_slots(compiled)
   # Slots, held micro-batches and their activations are a chunk's: 1/chunks of a stage's.
   row = {
     "M": microbatches,
@@ -316,63 +316,6 @@ def activation_bytes(args, stage_fn) -> int:
   found = []
   jax.eval_shape(lambda w, h: found.append(residual_bytes(w, h)), w, h)
   return found[0]
-
-
-def slots_run(hlo: str) -> tuple[int, int]:
-  """Forward and backward slots a stage runs per step, counted in the compiled program.
-
-  Two counts, each of which can only miss slots, and the larger is taken per
-  kind. By layer loops: a slot runs its stage's layers once, one layer loop
-  (``zerojax.scan``) whose ``op_name`` carries the slot's name
-  (``jax.named_scope``), counted as often as the tick loops around it run it;
-  it misses a layer loop that XLA unrolls (XLA:GPU, two layers to a chunk). By
-  tick loops: each iteration of a loop whose body runs a slot's operations
-  runs one slot of that kind; it misses a tick loop of one iteration, which
-  XLA inlines.
-  """
-  import re
-
-  from zerojax._src.diagnostics import hlo as hlo_lib
-  from zerojax._src.diagnostics.gpu_log import _executions
-  from zerojax._src.pipeline.stage import BACKWARD_SLOT, FORWARD_SLOT
-
-  computations, entry = hlo_lib.parse_module(hlo)
-  executions = _executions(computations, entry)
-  slot_names = f"{FORWARD_SLOT}|{BACKWARD_SLOT}"
-  body_of = lambda loop: re.search(r"body=%?([\w.\-]+)", loop.attributes).group(1)
-  whiles = [
-    (name, loop)
-    for name, instructions in computations.items()
-    for loop in instructions
-    if loop.opcode == "while"
-  ]
-
-  layer_loops = [(name, loop) for name, loop in whiles if re.search(slot_names, loop.attributes)]
-  inner = {body_of(loop) for _, loop in layer_loops}
-  by_layers = [0, 0]
-  for name, loop in layer_loops:
-    if name not in inner:
-      by_layers[0 if FORWARD_SLOT in loop.attributes else 1] += executions.get(name, 0)
-
-  def reached(name: str, seen: set[str]) -> set[str]:
-    """``name`` and the computations it calls, transitively."""
-    if name not in seen:
-      seen.add(name)
-      for instruction in computations.get(name, ()):
-        for _, callees in hlo_lib.CALLEES.findall(instruction.attributes):
-          for callee in re.findall(r"[\w.\-]+", callees.replace("%", " ")):
-            reached(callee, seen)
-    return seen
-
-  by_ticks = [0, 0]
-  for _, loop in whiles:
-    if re.search(slot_names, loop.attributes):
-      continue
-    inside = reached(body_of(loop), set())
-    for k, slot in enumerate((FORWARD_SLOT, BACKWARD_SLOT)):
-      if any(slot in i.attributes for name in inside for i in computations.get(name, ())):
-        by_ticks[k] += executions.get(body_of(loop), 0)
-  return max(by_layers[0], by_ticks[0]), max(by_layers[1], by_ticks[1])
 
 
 def time_interleaved(steps: list[tuple[Any, ...]], rounds: int) -> list[float]:

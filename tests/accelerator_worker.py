@@ -7,9 +7,6 @@ each setup (plain data parallelism, GSPMD FSDP, zero1, zero2, zero3 on its
 paths) it writes the compiled step's per-device arguments and temporaries,
 its layer loops (``zerojax.diagnostics.loop_collectives``) and, on GPU, XLA's estimate of
 the step from its scheduler's log.
-
-``--mutation NAME`` swaps a part of zerojax for a broken one first (see
-``MUTATIONS``), so that the tests can show they fail on it.
 """
 
 import argparse
@@ -24,13 +21,19 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax._src.diagnostics import deviceless
-from zerojax._src.diagnostics import gpu_log as schedule
+from zerojax.diagnostics import (
+  DEVICELESS_TARGETS,
+  capture_stderr,
+  deviceless_mesh,
+  deviceless_target,
+  scheduler_estimate,
+)
 
 LAYERS, D, F = 4, 512, 1536
 #: Tokens a step, by platform. XLA:TPU's compile time grows with them (three programs: 46 s of
 #: CPU at 4096 tokens, 17 s at 1024) and its temporaries tell the paths apart as well at 1024
-#: (the byte-packed mutation: 207 MiB against GSPMD FSDP's 2); XLA:GPU overlaps the backward
+#: (a zero3 that packed each layer's leaves into one byte buffer per all-gather, as zerojax once
+#: did: 207 MiB against GSPMD FSDP's 2); XLA:GPU overlaps the backward
 #: loop's reductions only with enough compute to hide them behind, so it keeps 4096.
 TOKENS = {"cuda": 8 * 512, "tpu": 8 * 128}
 DOTS = jax.checkpoint_policies.dots_saveable
@@ -122,8 +125,8 @@ def gspmd_loss_step(tx, mesh):
 
 
 def setups(target):
-  explicit = deviceless.mesh(target, (8,), ("data",), (AxisType.Explicit,))
-  auto = deviceless.mesh(target, (8,), ("data",), (AxisType.Auto,))
+  explicit = deviceless_mesh(target, (8,), ("data",), (AxisType.Explicit,))
+  auto = deviceless_mesh(target, (8,), ("data",), (AxisType.Auto,))
   return {
     "plain DP": lambda: (gspmd(auto, P()), auto),
     "GSPMD FSDP": lambda: (gspmd(auto, P(None, "data")), auto),
@@ -139,11 +142,11 @@ def setups(target):
 
 def measure(target, build):
   (step, (params, state)), mesh = build()
-  platform = deviceless.find_target(target).platform
+  platform = deviceless_target(target).platform
   x = jax.ShapeDtypeStruct(
     (TOKENS[platform], D), jnp.float32, sharding=NamedSharding(mesh, P("data"))
   )
-  with deviceless.capture_stderr() as log:
+  with capture_stderr() as log:
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
   memory = compiled.memory_analysis()
   report = {
@@ -152,55 +155,18 @@ def measure(target, build):
     "loops": [dataclasses.asdict(loop) for loop in zerojax.diagnostics.loop_collectives(compiled)],
   }
   if platform == "cuda":
-    estimate = schedule.scheduler_estimate(log[0], compiled)
+    estimate = scheduler_estimate(log[0], compiled)
     report["cycles"] = estimate.cycles
     report["loop_waiting"] = [loop.waiting for loop in estimate.loops]
   return report
 
 
-#: Broken versions of zerojax, to check that the tests catch them.
-MUTATIONS = {
-  # Every layer's leaves packed into one uint8 buffer for each collective (as
-  # zerojax did before it let XLA's combiners merge them).
-  "byte-packed": "byte_packed",
-}
-
-
-def byte_packed():
-  from zerojax._src.comm import primitives as comm
-
-  def packed(self, values):
-    import numpy as np
-
-    payloads = [
-      jax.lax.bitcast_convert_type(v.astype(t.compute), jnp.uint8).reshape(-1)
-      for t, v in zip(self.transfers, values, strict=True)
-    ]
-    rows = jax.lax.all_gather(jnp.concatenate(payloads), self.axis_name, axis=0)
-    fulls, start = [], 0
-    for t, payload in zip(self.transfers, payloads, strict=True):
-      chunk = rows[:, start : start + payload.size]
-      start += payload.size
-      itemsize = np.dtype(t.compute).itemsize
-      pieces = jax.lax.bitcast_convert_type(chunk.reshape(rows.shape[0], -1, itemsize), t.compute)
-      pieces = jnp.moveaxis(pieces.reshape(rows.shape[0], *t.shard_shape), 0, t.axis)
-      shape = list(t.shard_shape)
-      shape[t.axis] *= rows.shape[0]
-      fulls.append(jax.lax.slice_in_dim(pieces.reshape(shape), 0, t.size, axis=t.axis))
-    return fulls
-
-  comm.Group.all_gather = packed
-
-
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("target", choices=sorted(deviceless.TARGETS))
+  parser.add_argument("target", choices=DEVICELESS_TARGETS)
   parser.add_argument("out")
   parser.add_argument("setups", nargs="*", help="the setups to compile (default: all)")
-  parser.add_argument("--mutation", choices=sorted(MUTATIONS))
   args = parser.parse_args()
-  if args.mutation:
-    globals()[MUTATIONS[args.mutation]]()
   chosen = {
     name: build
     for name, build in setups(args.target).items()

@@ -3,12 +3,14 @@
 A deep stack of wide scanned layers with a small batch, plus leaves used after
 the stack whose dimensions are prime: the program that made XLA:CPU abort in
 its collective rendezvous before zerojax ordered the collectives around loops
-(see zerojax/_src/comm/ordering.py). Run by tests/test_ordering.py, or by hand:
+(see docs/troubleshooting.md). Run by zerojax's ordering tests, or by hand:
 
-  python tests/collective_order_worker.py --stage 2 --steps 30 [--without-ordering]
+  python tests/collective_order_worker.py --stage 2 --steps 30
 
-``--without-ordering`` switches the fix off, to measure how often the abort
-happens without it. Prints ``ok <loss>`` and exits 0 when every step ran.
+The same worker with the fix switched off, to measure how often the abort
+happens without it, is the ordering module's own test run as a script, with
+the same flags (docs/troubleshooting.md). Prints ``ok <loss>`` and exits 0
+when every step ran.
 ``--memory`` prints the compiled step's temporaries instead of training, to
 measure what the fix costs.
 """
@@ -27,7 +29,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax._src.comm import ordering
 
 zerojax.distributed.use_cpu_devices(8)
 
@@ -54,11 +55,8 @@ def main() -> None:
   parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--microbatches", type=int, default=1)
-  parser.add_argument("--without-ordering", action="store_true")
   parser.add_argument("--memory", action="store_true")
   args = parser.parse_args()
-  if args.without_ordering:
-    ordering.links_needed = lambda mesh: False
 
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   tx = getattr(zerojax, f"zero{args.stage}")(optax.adam(1e-3), mesh=mesh)

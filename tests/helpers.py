@@ -1,11 +1,14 @@
-"""What the test files share: the stages, exact comparisons, checkpoints' padding, worker and
-launcher runs.
+"""What the test files share: the stages, exact comparisons, checkpoints (their test model and
+states, their padding, exported files), worker and launcher runs.
 
 Test files import from here (and from the models in ``tests/models.py`` and
-``tests/multi_axis_model.py``), never from each other.
+``tests/multi_axis_model.py``), never from each other; so do the tests beside zerojax's private
+modules (``zerojax/_src/<folder>/<module>_test.py``).
 """
 
+import functools
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -17,7 +20,9 @@ from typing import Any
 import chex
 import filelock
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 import zerojax
 from tests import environment
@@ -50,6 +55,97 @@ FP16 = zerojax.Precision(
   reduce="fp32",
   loss_scale=zerojax.DynamicLossScale(initial=2.0**10, growth_interval=2),
 )
+
+#: The checkpoint tests' kinds of mesh axes: jax.make_mesh's default (explicit sharding in
+#: types) and the compiler-decides kind.
+AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+
+#: The checkpoint tests' model. "w" has no dimension that 2, 4 or 8 divides, so its stored
+#: shape changes with the device count (and stage 1 stores the params unpadded); "b" never
+#: pads; "scale" is too small to shard.
+CHECKPOINT_MODEL = {
+  "w": jax.ShapeDtypeStruct((5, 1001), jnp.float32),
+  "b": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+  "scale": jax.ShapeDtypeStruct((3,), jnp.float32),
+}
+
+
+@functools.cache
+def checkpoint_tx(
+  num_devices: int, stage: int, precision: str | None = None, axis_type: str = "auto"
+):
+  """One transformation per setting of the checkpoint tests, shared (and its compiled steps).
+
+  Without ``precision``, every leaf is kept in its own dtype.
+  """
+  mesh = jax.make_mesh(
+    (num_devices,),
+    ("data",),
+    devices=jax.devices()[:num_devices],
+    axis_types=(AXIS_TYPES[axis_type],),
+  )
+  return STAGES[stage](optax.adam(1e-2), mesh=mesh, precision=precision)
+
+
+def random_state(spec: zerojax.StateSpec) -> Any:
+  """A state of ``spec`` with random values in every leaf, without compiling a step.
+
+  Padding is zeros, and a separate master copy's parameters are that copy
+  rounded to their dtype, as ``tx.shard`` makes them: what a restore remakes.
+  """
+  rng = np.random.default_rng(0)
+
+  def fill(logical, stored):
+    if jnp.issubdtype(logical.dtype, jnp.floating):
+      values = rng.standard_normal(logical.shape).astype(logical.dtype)
+    else:
+      values = rng.integers(0, 100, logical.shape).astype(logical.dtype)
+    return pad_to(values, stored)
+
+  state = jax.tree.map(fill, spec.logical, spec.stored)
+  master = state["opt_state"].master
+  if master is not None:
+    params = jax.tree.map(
+      lambda x, struct: pad_to(x.astype(struct.dtype), struct),
+      unpadded(master, spec.logical["params"]),
+      spec.stored["params"],
+    )
+    state = {**state, "params": params}
+  return state
+
+
+def pad_to(values: np.ndarray, stored: jax.ShapeDtypeStruct) -> jax.Array:
+  """``values`` zero-padded at the end of each dimension to ``stored``'s shape, placed as it."""
+  padded = np.zeros(stored.shape, values.dtype)
+  padded[tuple(slice(0, n) for n in values.shape)] = values
+  return jax.device_put(padded, stored.sharding)
+
+
+def checkpoint_spec(tx, model=CHECKPOINT_MODEL):
+  """The training state spec of ``tx`` on ``model``, with a step and an rng."""
+  return zerojax.train_state_spec(tx, model, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+  """An independent reader of the format: 8-byte header length, JSON header, raw data."""
+  with open(path, "rb") as file:
+    header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+    data = file.read()
+  dtypes = {"F32": np.float32, "I32": np.int32}
+  return {
+    name: np.frombuffer(data[begin:end], dtypes[info["dtype"]]).reshape(info["shape"])
+    for name, info in header.items()
+    for begin, end in [info["data_offsets"]]
+  }
+
+
+def save_for_export(directory: Path, tx: Any, full: Any) -> Any:
+  """Saves ``tx``'s state of the parameters ``full`` as step 0; returns them as stored."""
+  params = tx.shard(full)
+  with zerojax.CheckpointManager(directory, zerojax.train_state_spec(tx, full)) as checkpoints:
+    checkpoints.save(0, {"params": params, "opt_state": tx.init(full)})
+  return params
+
 
 #: Trains a fast model in its own process, saving checkpoints (``tests/checkpoint_worker.py``).
 CHECKPOINT_WORKER = Path(__file__).with_name("checkpoint_worker.py")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests import accelerator_worker as worker
-from zerojax._src.diagnostics import deviceless
+from zerojax.diagnostics import deviceless_environment
 
 #: One layer's weights (what a gather makes whole), in bytes.
 LAYER = 4 * 2 * worker.D * worker.F
@@ -42,7 +42,7 @@ def compiled(target: str, *setups: str) -> dict:
   """What the worker reports for ``setups`` (all if none) compiled for ``target``."""
   out = Path(os.environ.get("ZEROJAX_TESTS_JAX_CACHE", "/tmp")) / f"accelerators-{target}.json"
   # The compiler's own flags and platform, not the CPU test flags (conftest's).
-  env = {**os.environ, **deviceless.environment(target)}
+  env = {**os.environ, **deviceless_environment(target)}
   command = [sys.executable, str(Path(worker.__file__)), target, str(out), *setups]
   done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, done.stderr[-5000:]

@@ -1,9 +1,9 @@
 """Checkpoints: round trips on both kinds of mesh axes, restoring onto other device counts and
-stages, each part of the manager alone (the layout record, the restore verdicts and the process
-vote, the master copy's moves), bad directories, damage and crashes."""
+stages, bad directories, damage and crashes. Each part of the manager alone (the layout record,
+the restore verdicts and the process vote, the master copy's moves) is tested beside its module:
+zerojax/_src/checkpoint/record_test.py, verdict_test.py and master_test.py."""
 
 import functools
-import json
 import os
 import shutil
 import signal
@@ -21,60 +21,37 @@ import pytest
 
 import zerojax
 from tests.helpers import (
+  AXIS_TYPES,
+  CHECKPOINT_MODEL,
   CHECKPOINT_WORKER,
-  STAGES,
   arrays,
   assert_placed,
+  checkpoint_spec,
+  checkpoint_tx,
   final_params,
+  random_state,
   unpadded,
 )
-from zerojax import CheckpointManager, StateSpec, train_state_spec
-from zerojax._src.checkpoint import master as master_lib
-from zerojax._src.checkpoint import record as record_lib
-from zerojax._src.checkpoint import verdict as verdict_lib
-from zerojax._src.checkpoint.verdict import Verdict
-
-# jax.make_mesh's default (explicit sharding in types) and the compiler-decides kind.
-AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
-
-# "w" has no dimension that 2, 4 or 8 divides, so its stored shape changes with
-# the device count (and stage 1 stores the params unpadded); "b" never pads;
-# "scale" is too small to shard.
-MODEL = {
-  "w": jax.ShapeDtypeStruct((5, 1001), jnp.float32),
-  "b": jax.ShapeDtypeStruct((64, 64), jnp.float32),
-  "scale": jax.ShapeDtypeStruct((3,), jnp.float32),
-}
-
-
-@functools.cache
-def make_tx(num_devices: int, stage: int, precision: str | None = None, axis_type: str = "auto"):
-  """One transformation per setting, shared by the tests (and its compiled steps with it).
-
-  Without ``precision``, every leaf is kept in its own dtype.
-  """
-  mesh = jax.make_mesh(
-    (num_devices,),
-    ("data",),
-    devices=jax.devices()[:num_devices],
-    axis_types=(AXIS_TYPES[axis_type],),
-  )
-  return STAGES[stage](optax.adam(1e-2), mesh=mesh, precision=precision)
+from zerojax import CheckpointManager, StateSpec
 
 
 @functools.cache
 def trained(*setting) -> tuple[Any, StateSpec]:
-  """A state of ``make_tx(*setting)`` after two updates, and its spec, made once per setting.
+  """A state of ``checkpoint_tx(*setting)`` after two updates, and its spec, made once per setting.
 
   Every leaf, Adam's moments included, holds distinct values.
   """
-  tx = make_tx(*setting)
+  tx = checkpoint_tx(*setting)
   keys = iter(jax.random.split(jax.random.PRNGKey(0), 16))
-  full = {name: jax.random.normal(next(keys), x.shape, x.dtype) for name, x in MODEL.items()}
+  full = {
+    name: jax.random.normal(next(keys), x.shape, x.dtype) for name, x in CHECKPOINT_MODEL.items()
+  }
   params = tx.shard(full)
   opt_state = tx.init(full)  # the full-precision values: the master copy, under mixed precision
   for _ in range(2):
-    grads = {name: jax.random.normal(next(keys), x.shape, x.dtype) for name, x in MODEL.items()}
+    grads = {
+      name: jax.random.normal(next(keys), x.shape, x.dtype) for name, x in CHECKPOINT_MODEL.items()
+    }
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
   state = {
@@ -83,52 +60,14 @@ def trained(*setting) -> tuple[Any, StateSpec]:
     "step": jnp.int32(2),
     "rng": jax.random.PRNGKey(2),
   }
-  return state, spec_for(tx)
-
-
-def random_state(spec: StateSpec) -> Any:
-  """A state of ``spec`` with random values in every leaf, without compiling a step.
-
-  Padding is zeros, and a separate master copy's parameters are that copy
-  rounded to their dtype, as ``tx.shard`` makes them: what a restore remakes.
-  """
-  rng = np.random.default_rng(0)
-
-  def fill(logical, stored):
-    if jnp.issubdtype(logical.dtype, jnp.floating):
-      values = rng.standard_normal(logical.shape).astype(logical.dtype)
-    else:
-      values = rng.integers(0, 100, logical.shape).astype(logical.dtype)
-    return pad_to(values, stored)
-
-  state = jax.tree.map(fill, spec.logical, spec.stored)
-  master = state["opt_state"].master
-  if master is not None:
-    params = jax.tree.map(
-      lambda x, struct: pad_to(x.astype(struct.dtype), struct),
-      unpadded(master, spec.logical["params"]),
-      spec.stored["params"],
-    )
-    state = {**state, "params": params}
-  return state
-
-
-def pad_to(values: np.ndarray, stored: jax.ShapeDtypeStruct) -> jax.Array:
-  """``values`` zero-padded at the end of each dimension to ``stored``'s shape, placed as it."""
-  padded = np.zeros(stored.shape, values.dtype)
-  padded[tuple(slice(0, n) for n in values.shape)] = values
-  return jax.device_put(padded, stored.sharding)
-
-
-def spec_for(tx, model=MODEL):
-  return train_state_spec(tx, model, step=jnp.int32(0), rng=jax.random.PRNGKey(0))
+  return state, checkpoint_spec(tx)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_round_trip_is_bit_identical(tmp_path, axis_type, stage, precision):
-  spec = spec_for(make_tx(8, stage, precision, axis_type))
+  spec = checkpoint_spec(checkpoint_tx(8, stage, precision, axis_type))
   state = random_state(spec)
   with CheckpointManager(tmp_path, spec) as checkpoints:
     assert checkpoints.save(2, state)
@@ -165,15 +104,15 @@ HOPS = {
 def test_restore_onto_other_device_counts_and_stages(tmp_path, axis_type, hops):
   precision, hops = HOPS[hops]
   state, spec = trained(*hops[0], precision, axis_type)
-  tx = make_tx(*hops[0], precision, axis_type)
+  tx = checkpoint_tx(*hops[0], precision, axis_type)
   expected_master, expected_rest = master_and_rest(state, spec, tx)
   if precision == "fp16":  # the loss scale moves too
     assert state["opt_state"].loss_scale is not None
   for hop, (num_devices, stage) in enumerate(hops[1:]):
     with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
       checkpoints.save(0, state)
-    tx = make_tx(num_devices, stage, precision, axis_type)
-    spec = spec_for(tx)
+    tx = checkpoint_tx(num_devices, stage, precision, axis_type)
+    spec = checkpoint_spec(tx)
     with CheckpointManager(tmp_path / str(hop), spec) as checkpoints:
       state = checkpoints.restore()
     assert_placed(state, spec)
@@ -190,7 +129,7 @@ def test_restore_onto_other_device_counts_and_stages(tmp_path, axis_type, hops):
 
 
 def test_keeps_the_last_k_and_saves_every_interval(tmp_path):
-  spec = spec_for(make_tx(8, 3))
+  spec = checkpoint_spec(checkpoint_tx(8, 3))
   state = random_state(spec)
   with CheckpointManager(tmp_path, spec, max_to_keep=2, save_interval_steps=2) as checkpoints:
     saved = [checkpoints.save(step, state) for step in range(7)]
@@ -202,8 +141,8 @@ def test_keeps_the_last_k_and_saves_every_interval(tmp_path):
 
 
 def test_a_mismatched_checkpoint_names_what_differs(tmp_path):
-  tx = make_tx(8, 3)
-  spec = spec_for(tx)
+  tx = checkpoint_tx(8, 3)
+  spec = checkpoint_spec(tx)
   with CheckpointManager(tmp_path, spec) as checkpoints:
     checkpoints.save(0, random_state(spec))
   other = {
@@ -211,7 +150,7 @@ def test_a_mismatched_checkpoint_names_what_differs(tmp_path):
     "b": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),  # another dtype
     "bias": jax.ShapeDtypeStruct((3,), jnp.float32),  # "scale" renamed
   }
-  spec = spec_for(tx, other)
+  spec = checkpoint_spec(tx, other)
   with CheckpointManager(tmp_path, spec) as checkpoints, pytest.raises(ValueError) as error:
     checkpoints.restore()
   message = str(error.value)
@@ -225,10 +164,10 @@ def test_a_mismatched_checkpoint_names_what_differs(tmp_path):
 
 
 def test_a_checkpoint_of_another_precision_policy_names_what_differs(tmp_path):
-  spec = spec_for(make_tx(8, 2, "fp16"))
+  spec = checkpoint_spec(checkpoint_tx(8, 2, "fp16"))
   with CheckpointManager(tmp_path, spec) as checkpoints:
     checkpoints.save(0, random_state(spec))
-  bf16 = spec_for(make_tx(8, 3, "bf16"))
+  bf16 = checkpoint_spec(checkpoint_tx(8, 3, "bf16"))
   with (
     CheckpointManager(tmp_path, bf16) as checkpoints,
     pytest.raises(
@@ -239,7 +178,7 @@ def test_a_checkpoint_of_another_precision_policy_names_what_differs(tmp_path):
 
 
 def test_saving_a_state_of_another_spec_raises(tmp_path):
-  spec = spec_for(make_tx(8, 3))
+  spec = checkpoint_spec(checkpoint_tx(8, 3))
   state = {**random_state(spec), "step": jnp.float32(0)}
   with (
     CheckpointManager(tmp_path, spec) as checkpoints,
@@ -249,161 +188,11 @@ def test_saving_a_state_of_another_spec_raises(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
-# The layout record alone: what fits is a function of two records.
-
-SETTINGS = [(8, 3), (4, 1), (2, 2), (1, 3)]
-
-
-def saved_record(setting) -> record_lib.Record:
-  """The layout record a checkpoint of ``make_tx(*setting)`` holds, as read back from JSON."""
-  spec = spec_for(make_tx(*setting))
-  return json.loads(json.dumps(record_lib.layout_record(spec.logical, spec.master_path)))
-
-
-@pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
-def test_records_fit_across_device_counts_stages_and_axis_types(precision):
-  settings = [(*s, precision, axis) for s in SETTINGS for axis in AXIS_TYPES]
-  records = [saved_record(setting) for setting in settings]
-  for spec in records:
-    for saved in records:
-      assert record_lib.misfits(spec, saved) == []
-
-
-def test_records_of_another_policy_or_model_list_each_difference():
-  fp16, bf16 = saved_record((8, 2, "fp16")), saved_record((8, 2, "bf16"))
-  assert record_lib.misfits(bf16, fp16) == [
-    f"['opt_state'].loss_scale.{name}: in the checkpoint, not in the spec"
-    for name in sorted(zerojax.LossScaleState._fields)
-  ]
-  # A bf16 run's master copy is float32, as a float32 run's params are: it fits either way.
-  assert record_lib.misfits(saved_record((8, 3)), bf16) == []
-  assert record_lib.misfits(bf16, saved_record((4, 1))) == []
-  bigger = spec_for(make_tx(8, 3), {**MODEL, "w": jax.ShapeDtypeStruct((5, 1002), jnp.float32)})
-  assert record_lib.misfits(
-    record_lib.layout_record(bigger.logical, bigger.master_path), saved_record((8, 3))
-  ) == [
-    f"{path}: shape (5, 1001) in the checkpoint, (5, 1002) in the spec"
-    for path in [
-      "['opt_state'].inner_state[0].mu['w']",
-      "['opt_state'].inner_state[0].nu['w']",
-      "['params']['w']",
-    ]
-  ]
-
-
-def test_a_long_list_of_differences_is_cut_at_twenty():
-  lines = [f"leaf{i}: in the spec, not in the state" for i in range(25)]
-  message = str(record_lib.listed_error("the state does not match", lines, "Fix it."))
-  assert message.splitlines() == [
-    "the state does not match:",
-    *(f"  {line}" for line in lines[:20]),
-    "  ... and 5 more",
-    "Fix it.",
-  ]
-
-
-# The restore verdicts and the process vote alone, with fake processes.
-
-R, D, M = Verdict.READ, Verdict.DAMAGED, Verdict.MISFIT  # short, for the table below
-
-
-@pytest.mark.parametrize(
-  ("verdicts", "process", "agreed", "message"),
-  [
-    ([R, R, R, R], 0, R, None),
-    ([R, D, R, D], 0, D, "step 3 could not be read on process(es) [1, 3]; their errors say why."),
-    ([R, D, R, D], 1, D, "own"),
-    ([D, M, R, M], 0, M, "step 3 does not fit this manager's spec on process(es) [1, 3];"),
-    ([D, M, R, M], 2, M, "step 3 does not fit this manager's spec on process(es) [1, 3];"),
-    ([M, D], 0, M, "own"),
-  ],
-)
-def test_the_vote_takes_the_worst_verdict_and_names_who_reached_it(
-  monkeypatch, verdicts, process, agreed, message
-):
-  own_error = None if verdicts[process] == R else ValueError("own")
-  monkeypatch.setattr(verdict_lib, "on_every_process", lambda value: np.array(verdicts))
-  verdict, error = verdict_lib.vote(verdicts[process], own_error, "step 3")
-  assert verdict is agreed
-  if message is None:
-    assert error is None
-  else:
-    assert str(error).startswith(message)
-    assert (error is own_error) == (message == "own")
-
-
-def test_the_walk_back_skips_damaged_checkpoints_and_stops_at_a_misfit():
-  tried = []
-
-  def read(step):
-    tried.append(step)
-    if step == 40:
-      raise ValueError("misfit")
-    return ("state", None) if step <= 20 else (None, ValueError(f"damaged {step}"))
-
-  state, step, damaged = verdict_lib.latest_readable([10, 20, 30, 35], read, "ckpt")
-  assert (state, step, tried) == ("state", 20, [35, 30, 20])
-  assert [(s, str(error)) for s, error in damaged] == [(35, "damaged 35"), (30, "damaged 30")]
-  with pytest.raises(ValueError, match=r"damaged 35 None of the earlier checkpoints \[30\] could"):
-    verdict_lib.latest_readable([30, 35], read, "ckpt")
-  with pytest.raises(ValueError, match=r"^damaged 30$"):
-    verdict_lib.latest_readable([30], read, "ckpt")
-  tried.clear()
-  with pytest.raises(ValueError, match="misfit"):
-    verdict_lib.latest_readable([10, 40], read, "ckpt")
-  assert tried == [40]  # an earlier checkpoint of the same run would not fit either
-  with pytest.raises(FileNotFoundError, match="no checkpoints in ckpt"):
-    verdict_lib.latest_readable([], read, "ckpt")
-
-
-# The master copy's moves alone, between the places stages keep it.
-
-
-@pytest.mark.parametrize("saved", [1, 2, 3])
-@pytest.mark.parametrize("target", [1, 2, 3])
-def test_the_master_copy_is_read_where_saved_and_moved_where_the_spec_keeps_it(target, saved):
-  spec, saved_spec = (spec_for(make_tx(8, stage, "bf16")) for stage in (target, saved))
-  plan = master_lib.reading_plan(spec, saved_spec.master_path)
-  # What is read: the checkpoint's master copy, into the spec's master shardings, and no
-  # rounded params (a restore remakes them).
-  assert master_lib.at(plan, saved_spec.master_path) is master_lib.at(spec.stored, spec.master_path)
-  assert ("params" in plan) == (saved == 3)
-  if saved == 3 and target != 3:  # the spec's master slot is read from the saved params
-    assert plan["opt_state"].master is None
-  # Moved back, every leaf is where the spec has it; params are left to be rounded.
-  state = master_lib.master_in_place(spec, saved_spec.master_path, plan)
-  expected = spec.stored if target == 3 else {**spec.stored, "params": None}
-  assert jax.tree.structure(state) == jax.tree.structure(expected)
-  assert all(a is b for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True))
-
-
-def test_at_and_replaced_walk_dicts_named_tuples_lists_and_tuples():
-  tree = {"opt_state": optax.ScaleByAdamState(count=0, mu=[1, (2, 3)], nu=None)}
-  new = master_lib.replaced(tree, ("opt_state", "mu", 1, 0), "x")
-  assert master_lib.at(new, ("opt_state", "mu", 1)) == ("x", 3)
-  assert tree == {"opt_state": optax.ScaleByAdamState(count=0, mu=[1, (2, 3)], nu=None)}
-  assert master_lib.replaced(tree, (), "all") == "all"
-  assert master_lib.at(master_lib.replaced({}, ("params",), 1), ("params",)) == 1
-
-
-@pytest.mark.parametrize("axis_type", AXIS_TYPES)
-def test_rounded_params_are_the_master_copy_cut_and_cast(axis_type):
-  spec = spec_for(make_tx(8, 2, "bf16", axis_type))
-  master = random_state(spec)["opt_state"].master
-  chex.assert_shape(master["w"], (5, 1008))  # padded, split over the data axis
-  params = master_lib.rounded(master, spec.logical["params"], spec.stored["params"])
-  assert_placed(params, StateSpec(spec.stored["params"], spec.logical["params"]))
-  expected = jax.tree.map(
-    lambda x: x.astype(jnp.bfloat16), unpadded(master, spec.logical["params"])
-  )
-  chex.assert_trees_all_equal(jax.tree.map(np.asarray, params), expected, strict=True)
-
-
 # Directories that are not what they should be: a clear error or a warning, and no data lost.
 
 
 def test_a_file_is_refused_as_a_checkpoint_directory(tmp_path):
-  spec = spec_for(make_tx(8, 3))
+  spec = checkpoint_spec(checkpoint_tx(8, 3))
   file = tmp_path / "notes.txt"
   file.write_text("keep me")
   for directory in (file, file / "checkpoints"):
@@ -425,7 +214,7 @@ def test_loading_from_a_missing_or_empty_directory_says_which(tmp_path):
 
 
 def test_restoring_from_an_empty_directory_or_a_missing_step_raises(tmp_path):
-  spec = spec_for(make_tx(8, 3))
+  spec = checkpoint_spec(checkpoint_tx(8, 3))
   with CheckpointManager(tmp_path, spec) as checkpoints:
     with pytest.raises(FileNotFoundError, match=f"no checkpoints in {tmp_path}: nothing to"):
       checkpoints.restore()
@@ -436,7 +225,7 @@ def test_restoring_from_an_empty_directory_or_a_missing_step_raises(tmp_path):
 
 
 def test_entries_named_like_a_step_that_are_not_checkpoints_are_left_alone(tmp_path):
-  spec = spec_for(make_tx(8, 3))
+  spec = checkpoint_spec(checkpoint_tx(8, 3))
   state = random_state(spec)
   with CheckpointManager(tmp_path, spec, max_to_keep=2) as checkpoints:
     checkpoints.save(5, state)
@@ -470,7 +259,7 @@ def test_entries_named_like_a_step_that_are_not_checkpoints_are_left_alone(tmp_p
 
 
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_one_before_restored(tmp_path):
-  spec = spec_for(make_tx(8, 3))
+  spec = checkpoint_spec(checkpoint_tx(8, 3))
   with CheckpointManager(tmp_path, spec) as checkpoints:
     for step in (1, 2):
       checkpoints.save(step, {**random_state(spec), "step": jnp.int32(step)})
@@ -489,7 +278,7 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_one_before_restored(tm
 
 
 def test_a_damaged_checkpoint_with_none_before_it_raises_and_stays(tmp_path):
-  spec = spec_for(make_tx(8, 3))
+  spec = checkpoint_spec(checkpoint_tx(8, 3))
   with CheckpointManager(tmp_path, spec) as checkpoints:
     checkpoints.save(0, random_state(spec))
   for path in (tmp_path / "0" / "layout").iterdir():

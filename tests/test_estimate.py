@@ -16,7 +16,6 @@ import pytest
 import zerojax
 from tests import models
 from zerojax import estimate as estimate_cli
-from zerojax._src.diagnostics.estimate import STAGES
 
 # The ZeRO paper's Table I: GB per device for Ψ = 7.5B, mixed-precision Adam.
 TABLE_I = {
@@ -196,7 +195,7 @@ def test_communication_estimate_arguments_are_checked():
 
 
 def test_one_device_moves_nothing():
-  for stage in STAGES:
+  for stage in (0, 1, 2, 3):  # plain data parallelism and the three stages
     assert zerojax.estimate_communication(1e9, num_devices=1, stage=stage).total == 0
 
 

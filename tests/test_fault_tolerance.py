@@ -36,8 +36,6 @@ import time
 from pathlib import Path
 
 import chex
-import jax
-import numpy as np
 
 import zerojax
 from examples import train_lm
@@ -255,32 +253,3 @@ def test_a_crash_inside_the_first_save_then_on_every_attempt(tmp_path, uninterru
   done = run_checkpoint_worker(tmp_path, "", max_restarts=0)
   assert done.returncode == 0 and "[p0] start 3" in done.stdout, done.stderr[-3000:]
   chex.assert_trees_all_equal(final_params(tmp_path), uninterrupted, strict=True)
-
-
-def test_a_late_sigterm_after_stopping_on_anothers_notice_does_not_end_the_save(monkeypatch):
-  # Without JAX's preemption service, the processes agree through a flag per
-  # process. One that stops on another's notice must still catch its own
-  # SIGTERM when it comes during the save: it is the same preemption, not a
-  # second one. Two processes are faked: the other one's flag is `other`.
-  from zerojax._src.cluster import preemption
-
-  monkeypatch.setattr(preemption, "_notice", preemption._Notice())
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  other = [0]
-  gather = lambda flag: np.array([flag, other[0]], np.int32)
-  monkeypatch.setattr(preemption.multihost_utils, "process_allgather", gather)
-  calls = []
-  previous = lambda signum, frame: calls.append(signum)
-  restore = signal.signal(signal.SIGTERM, previous)
-  try:
-    assert not zerojax.distributed.preemption_requested(1)
-    other[0] = 1
-    assert zerojax.distributed.preemption_requested(2)
-    assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm  # still caught
-    os.kill(os.getpid(), signal.SIGTERM)  # this process's own notice, late
-    time.sleep(0.05)
-    assert calls == [signal.SIGTERM]  # the handler before zerojax's still hears of it
-    assert signal.getsignal(signal.SIGTERM) is previous  # a second SIGTERM ends the process
-    assert not preemption._notice.received
-  finally:
-    signal.signal(signal.SIGTERM, restore)

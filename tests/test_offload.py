@@ -39,7 +39,6 @@ from tests.helpers import (
   rounding,
   run_checkpoint_worker,
 )
-from zerojax._src.core import offload as offload_lib
 
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "fp16": FP16}
 PATHS = ("explicit", "drop-in")
@@ -464,19 +463,14 @@ def test_quantized_weights_come_from_the_compute_copy_when_the_master_is_offload
 # Bad input, and platforms without host memory.
 
 
-def test_bad_offload_settings_are_refused_with_the_fix(monkeypatch):
+def test_bad_offload_settings_are_refused_with_the_fix():
+  # A platform without pinned host memory: zerojax/_src/core/offload_test.py.
   mesh = mesh_for(2, "explicit")
   with pytest.raises(ValueError, match=r"offload must be one of .*got 'cpu'"):
     zerojax.zero2(optax.adam(1e-3), mesh=mesh, offload="cpu")
   tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh, precision="fp32", offload="optimizer+master")
   with pytest.raises(ValueError, match=r"nothing is apart: pass offload='optimizer', or .*bf16"):
     tx.init(models.make_params())
-  # A platform without pinned host memory: an error naming it and the kinds it has.
-  monkeypatch.setattr(offload_lib, "memory_kinds", lambda device: ["device"])
-  platform = r"the cpu device 'cpu' does not have \(its memory kinds: \['device'\]\)"
-  with pytest.raises(ValueError, match=platform):
-    zerojax.zero1(optax.adam(1e-3), mesh=mesh, offload="optimizer")
-  zerojax.zero1(optax.adam(1e-3), mesh=mesh)  # without offload, nothing is asked of it
 
 
 def test_estimator_refuses_what_it_cannot_offload():

@@ -4,27 +4,37 @@
 bytes; ``count_collectives`` and ``count_collectives_by_axes`` read those
 bytes from any compiled program's HLO; ``loop_collectives`` says, for each
 loop of a compiled program (a layer scan), which of its collectives the
-compute inside waits on and which run asynchronously under compute.
+compute inside waits on and which run asynchronously under compute;
+``pipeline_slots`` counts the slots a pipeline stage runs, its bubble.
 
 Compiling for GPUs and TPUs this machine does not have: start a process with
-``deviceless_environment(target)`` (``"h100x8"``, ``"v5e-8"``, ``"v5e-64"``),
-build the mesh with ``deviceless_mesh``, lower with abstract arrays and
-compile; on GPU, ``scheduler_estimate`` reads XLA's own estimate of the step
-from the log ``capture_stderr`` collected meanwhile. See docs/accounting.md
-and docs/performance.md.
+``deviceless_environment(target)`` (one of ``DEVICELESS_TARGETS``: ``"h100x8"``,
+``"v5e-8"``, ``"v5e-64"``; ``deviceless_target`` says what each is), build the
+mesh with ``deviceless_mesh``, lower with abstract arrays and compile; on GPU,
+``scheduler_estimate`` reads XLA's own estimate of the step from the log
+``capture_stderr`` collected meanwhile. See docs/accounting.md and
+docs/performance.md.
 """
 
-from zerojax._src.diagnostics.deviceless import capture_stderr
+from zerojax._src.diagnostics.deviceless import (
+  DEVICELESS_TARGETS,
+  DevicelessTarget,
+  capture_stderr,
+)
 from zerojax._src.diagnostics.deviceless import environment as deviceless_environment
+from zerojax._src.diagnostics.deviceless import find_target as deviceless_target
 from zerojax._src.diagnostics.deviceless import mesh as deviceless_mesh
 from zerojax._src.diagnostics.gpu_log import ComputationEstimate, StepEstimate, scheduler_estimate
 from zerojax._src.diagnostics.hlo import Collective, count_collectives, count_collectives_by_axes
 from zerojax._src.diagnostics.overlap import LoopCollectives, loop_collectives
 from zerojax._src.diagnostics.profile import StepProfile, profile
+from zerojax._src.diagnostics.slots import pipeline_slots
 
 __all__ = (
+  "DEVICELESS_TARGETS",
   "Collective",
   "ComputationEstimate",
+  "DevicelessTarget",
   "LoopCollectives",
   "StepEstimate",
   "StepProfile",
@@ -33,7 +43,9 @@ __all__ = (
   "count_collectives_by_axes",
   "deviceless_environment",
   "deviceless_mesh",
+  "deviceless_target",
   "loop_collectives",
+  "pipeline_slots",
   "profile",
   "scheduler_estimate",
 )

@@ -34,15 +34,21 @@ _DESCRIPTIONS = pathlib.Path(__file__).parent / "targets"
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
-  """A machine to compile for.
+class DevicelessTarget:
+  """A machine to compile for without it, as ``deviceless_target`` names it.
 
   Attributes:
-    name: how ``TARGETS`` and the command lines call it.
+    name: how ``DEVICELESS_TARGETS`` and the command lines call it.
     platform: ``"cuda"`` or ``"tpu"``.
     topology: the topology's name, as ``jax.experimental.topologies`` takes it.
     description: for GPUs, the device description file (in ``targets/``).
     hbm_bytes: memory per device.
+
+  Example:
+    >>> from zerojax.diagnostics import deviceless_target
+    >>> gpu = deviceless_target("h100x8")
+    >>> gpu.platform, gpu.topology, gpu.hbm_bytes / 1e9
+    ('cuda', '1x1x8', 80.0)
   """
 
   name: str
@@ -53,10 +59,15 @@ class Target:
 
   @property
   def device_count(self) -> int:
+    """How many devices the topology has (in a process started as ``devices`` needs)."""
     return len(self.devices())
 
   def devices(self) -> list[Any]:
-    """The topology's devices (in a process started with ``environment(self)``)."""
+    """The topology's devices, to compile for (never to run on).
+
+    Raises:
+      RuntimeError: in a process not started with ``deviceless_environment(self.name)``.
+    """
     _check_environment(self)
     from jax.experimental import topologies
 
@@ -74,16 +85,42 @@ class Target:
 TARGETS = {
   target.name: target
   for target in (
-    Target("h100x8", "cuda", "1x1x8", "h100_sxm.txtpb", 80 * 10**9),
-    Target("v5e-8", "tpu", "v5e:2x4", None, 16 * 2**30),
-    Target("v5e-64", "tpu", "v5e:8x8", None, 16 * 2**30),
+    DevicelessTarget("h100x8", "cuda", "1x1x8", "h100_sxm.txtpb", 80 * 10**9),
+    DevicelessTarget("v5e-8", "tpu", "v5e:2x4", None, 16 * 2**30),
+    DevicelessTarget("v5e-64", "tpu", "v5e:8x8", None, 16 * 2**30),
   )
 }
 
 
-def find_target(target: Target | str) -> Target:
-  """``target`` itself, or the ``Target`` it names, with a clear error for an unknown name."""
-  if isinstance(target, Target):
+#: The names of the machines zerojax compiles for without them, for ``deviceless_target``,
+#: ``deviceless_environment`` and ``deviceless_mesh``. An 8 x H100 SXM host, and TPU v5e
+#: slices of 2 x 4 and 8 x 8 chips.
+DEVICELESS_TARGETS = tuple(TARGETS)
+
+
+def find_target(target: DevicelessTarget | str) -> DevicelessTarget:
+  """The machine ``target`` names: its platform, topology and memory per device.
+
+  Args:
+    target: one of ``DEVICELESS_TARGETS`` (``"h100x8"``, ``"v5e-8"``,
+      ``"v5e-64"``), or a ``DevicelessTarget``, returned as it is.
+
+  Returns:
+    The ``DevicelessTarget``.
+
+  Raises:
+    ValueError: for a target zerojax does not know, listing those it does.
+
+  Example:
+    >>> from zerojax.diagnostics import DEVICELESS_TARGETS, deviceless_target
+    >>> DEVICELESS_TARGETS
+    ('h100x8', 'v5e-8', 'v5e-64')
+    >>> [deviceless_target(name).platform for name in DEVICELESS_TARGETS]
+    ['cuda', 'tpu', 'tpu']
+    >>> deviceless_target("v5e-64").hbm_bytes // 2**30
+    16
+  """
+  if isinstance(target, DevicelessTarget):
     return target
   if target not in TARGETS:
     raise ValueError(f"unknown target {target!r}: choose one of {sorted(TARGETS)}.")
@@ -144,7 +181,7 @@ def environment(target: str, *, scheduler_log: bool = True, xla_flags: str = "")
   }
 
 
-def _check_environment(target: Target) -> None:
+def _check_environment(target: DevicelessTarget) -> None:
   needed = environment(target.name, scheduler_log=False).items()
   missing = {k: v for k, v in needed if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
   wrong = sorted(k for k, v in missing.items() if os.environ.get(k) != v)

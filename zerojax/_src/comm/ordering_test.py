@@ -1,4 +1,4 @@
-"""Collectives and loops stay in step on XLA:CPU (zerojax/_src/comm/ordering.py).
+"""Collectives and loops stay in step on XLA:CPU (ordering.py, beside this file).
 
 XLA:CPU may start a collective while a loop that holds collectives is still
 running, and every ``shard_map`` collective shares one rendezvous key, so the
@@ -6,10 +6,14 @@ devices can meet in the wrong collective and the process aborts. zerojax
 links each such pair with a data dependency. These tests check the links in
 the compiled program (deterministic), that they change no value, and that the
 parameter-heavy model which aborted trains for many steps in its own process.
+
+Run as a script, this module is that model's worker (tests/collective_order_worker.py) with
+the links switched off, to count the aborts without them (docs/troubleshooting.md):
+
+  python -m zerojax._src.comm.ordering_test --stage 2 --steps 30
 """
 
 import functools
-import os
 import re
 import subprocess
 import sys
@@ -28,7 +32,12 @@ from tests import environment
 from zerojax._src.comm import ordering
 from zerojax._src.diagnostics import hlo
 
-WORKER = os.path.join(os.path.dirname(__file__), "collective_order_worker.py")
+WORKER = worker.__file__
+
+
+@pytest.fixture
+def mesh():
+  return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def compiled_step(stage: int, mesh) -> str:
@@ -44,7 +53,9 @@ def compiled_step(stage: int, mesh) -> str:
     return optax.apply_updates(params, updates), state, loss
 
   x = jax.device_put(np.ones((64, 512), np.float32), NamedSharding(mesh, P("data")))
-  return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile().as_text()
+  text = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile().as_text()
+  assert text is not None
+  return text
 
 
 def unlinked(text: str) -> list[tuple[str, str]]:
@@ -117,9 +128,11 @@ def test_links_change_no_value(mesh):
     return h, stacked, after, jax.lax.psum(jnp.sum(h), "data")
 
   out_specs = (P("data"), P(None, "data"), P("data"), P())
-  specs = dict(mesh=mesh, in_specs=(P(), P("data")), out_specs=out_specs)
-  plain = jax.jit(jax.shard_map(per_device, **specs))
-  linked = jax.jit(jax.shard_map(ordering.link_loops(per_device), **specs))
+  specs = functools.partial(
+    jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=out_specs
+  )
+  plain = jax.jit(specs(per_device))
+  linked = jax.jit(specs(ordering.link_loops(per_device)))
   ws = jnp.stack([jnp.eye(16) * 0.5, -jnp.eye(16), jnp.zeros((16, 16))])
   x = jnp.full((16, 16), -0.0).at[0, 0].set(jnp.nan).at[1, 1].set(jnp.inf)
   for a, b in zip(plain(ws, x), linked(ws, x), strict=True):
@@ -127,7 +140,7 @@ def test_links_change_no_value(mesh):
 
 
 def test_parameter_heavy_model_trains_without_aborting():
-  # Without the ordering (the worker's --without-ordering), runs of this worker side by side on
+  # Without the ordering (this module run as a script), runs of this worker side by side on
   # CI's 2 cores aborted: 5 of 8 within 15 steps, 12 of 12 within 30 (2026-11-26); alone on a
   # quiet machine, 8 of 8 within 15 (most at the first step). So two runs side by side, each
   # loading the machine for the other, of 30 steps. XLA's termination timeout turns a hang into
@@ -146,3 +159,13 @@ def test_parameter_heavy_model_trains_without_aborting():
   for run, (out, err) in zip(runs, outputs, strict=True):
     assert run.returncode == 0, err[-3000:]
     assert out.startswith("ok ")
+
+
+def main() -> None:
+  """The worker, with the links switched off (its flags: ``--stage``, ``--steps``, ...)."""
+  ordering.links_needed = lambda mesh: False
+  worker.main()
+
+
+if __name__ == "__main__":
+  main()
