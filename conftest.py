@@ -46,6 +46,7 @@ MODULE_SECONDS = {
   "test_init": 10,
   "layout_test": 9,
   "test_transformation": 9,
+  "test_equinox": 8,
   "export_test": 7,
   "test_cli_errors": 7,
   "test_export": 6,
