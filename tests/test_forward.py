@@ -174,3 +174,51 @@ def test_an_nnx_model_evaluates_on_stored_parameters(stage, types):
   nnx.update(model, tx.shard(nnx.state(model, nnx.Param)))
   logits = zerojax.flax.nnx.forward(lambda model, x: model(x), tx, gather=False)(model, x)
   chex.assert_trees_all_close(logits, expected, **ROUNDING)
+
+
+# Meshes with more axes than one data axis: replicas (hybrid sharding), hpZ's nodes, and a
+# tensor-parallel axis the layout places the layers on.
+MULTI_AXIS = {
+  "hybrid": ((2, 4), ("replica", "data"), {"replica_axis": "replica"}),
+  "hpz": ((2, 4), ("node", "data"), {"axis_name": ("node", "data"), "secondary_axis": "data"}),
+  "tensor": (
+    (4, 2),
+    ("data", "model"),
+    {
+      "layout": {
+        "w": jax.P(None, ("data", "model")),
+        "layers": jax.P(None, "data", "model"),
+        "b": None,
+      }
+    },
+  ),
+}
+
+
+def small_init(key):
+  keys = jax.random.split(key, 3)
+  return {
+    "w": jax.random.normal(keys[0], (13, 40)),
+    "layers": jax.random.normal(keys[1], (3, 40, 40)) * 0.1,
+    "b": jax.random.normal(keys[2], (40,)),
+  }
+
+
+def small_stack(params, x):
+  h = x @ zerojax.gather(params["w"]) + zerojax.gather(params["b"])
+  return zerojax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, params["layers"])[0]
+
+
+@pytest.mark.parametrize("types", MESH_TYPES.values(), ids=MESH_TYPES)
+@pytest.mark.parametrize("mesh_name", MULTI_AXIS)
+def test_init_and_forward_on_meshes_of_several_axes(mesh_name, types):
+  shape, axes, options = MULTI_AXIS[mesh_name]
+  mesh = jax.make_mesh(shape, axes, (types,) * len(axes))
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh, min_shard_size=1, **options)
+  params, _ = tx.sharded_init(small_init)(jax.random.key(0))
+  full = small_init(jax.random.key(0))
+  chex.assert_trees_all_close(tx.gather(params), full, **ROUNDING)  # XLA may fold "* 0.1" in
+  x = jax.random.normal(jax.random.key(1), (16, 13))
+  with jax.set_mesh(mesh):
+    got = jax.jit(zerojax.forward(small_stack, tx))(params, x)
+  chex.assert_trees_all_close(got, jax.jit(small_stack)(full, x), **ROUNDING)
