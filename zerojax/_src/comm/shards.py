@@ -37,7 +37,6 @@ from zerojax._src.comm import opening as opening_lib
 from zerojax._src.comm import quantized as quantize
 from zerojax._src.comm.group import Group, Transfer
 from zerojax._src.sharding import stored as stored_lib
-from zerojax._src.sharding.stored import Stored
 
 #: ``jax.checkpoint_name`` of every array ``gather`` returns.
 GATHERED = "zerojax_gathered"
@@ -264,10 +263,12 @@ def gather(tree: Any) -> Any:
     >>> zerojax.gather({"w": jnp.ones(3)})["w"]
     Array([1., 1., 1.], dtype=float32)
   """
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, Shard | Stored))
+  leaves, treedef = jax.tree.flatten(
+    tree, is_leaf=lambda x: isinstance(x, Shard | stored_lib.Stored)
+  )
   groups: dict[Any, list[int]] = {}
   for index, leaf in enumerate(leaves):
-    if isinstance(leaf, Stored):
+    if isinstance(leaf, stored_lib.Stored):
       raise stored_lib.used_as_array(leaf)
     if isinstance(leaf, Shard):
       groups.setdefault(_group_key(leaf), []).append(index)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax._src.comm import ordering
@@ -90,7 +91,7 @@ class _Forward:
 def _per_example(out: Any) -> Any:
   """``out``, checked to have a leading batch axis in every leaf."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-    if jax.numpy.ndim(leaf) == 0:
+    if jnp.ndim(leaf) == 0:
       where = jax.tree_util.keystr(path) or "its output"
       raise ValueError(
         f"zerojax.forward's fn returned a scalar at {where}: each device runs fn on its slice "
