@@ -8,8 +8,9 @@ compute inside waits on and which run asynchronously under compute;
 ``pipeline_slots`` counts the slots a pipeline stage runs, its bubble.
 
 Compiling for GPUs and TPUs this machine does not have: start a process with
-``deviceless_environment(target)`` (one of ``DEVICELESS_TARGETS``: ``"h100x8"``,
-``"v5e-8"``, ``"v5e-64"``; ``deviceless_target`` says what each is), build the
+``deviceless_environment(target)`` (one of ``DEVICELESS_TARGETS``: 1 to 16
+nodes of 8 H100, v5e slices of 8 to 256 chips, multi-slice v5e;
+``deviceless_target`` says what each is), build the
 mesh with ``deviceless_mesh``, lower with abstract arrays and compile; on GPU,
 ``scheduler_estimate`` reads XLA's own estimate of the step from the log
 ``capture_stderr`` collected meanwhile. See docs/accounting.md and

@@ -43,12 +43,18 @@ class DevicelessTarget:
     topology: the topology's name, as ``jax.experimental.topologies`` takes it.
     description: for GPUs, the device description file (in ``targets/``).
     hbm_bytes: memory per device.
+    slices: for TPUs, how many slices of ``topology`` the data-center network
+      joins (multi-slice); 1 for one slice.
 
   Example:
     >>> from zerojax.diagnostics import deviceless_target
     >>> gpu = deviceless_target("h100x8")
     >>> gpu.platform, gpu.topology, gpu.hbm_bytes / 1e9
     ('cuda', '1x1x8', 80.0)
+    >>> deviceless_target("h100x128").topology  # 16 nodes of 8
+    '16x1x8'
+    >>> deviceless_target("2xv5e-16").slices
+    2
   """
 
   name: str
@@ -56,6 +62,20 @@ class DevicelessTarget:
   topology: str
   description: str | None
   hbm_bytes: int
+  slices: int = 1
+
+  @property
+  def hosts(self) -> int:
+    """How many groups of devices slower links join: GPU nodes, or TPU slices.
+
+    Example:
+      >>> from zerojax.diagnostics import deviceless_target
+      >>> [deviceless_target(t).hosts for t in ("h100x8", "h100x32", "v5e-256", "4xv5e-16")]
+      [1, 4, 1, 4]
+    """
+    if self.platform == "cuda":
+      return int(self.topology.split("x")[0])
+    return self.slices
 
   @property
   def device_count(self) -> int:
@@ -77,24 +97,36 @@ class DevicelessTarget:
         platform="cuda", topology=self.topology, target_config=config
       )
     else:
-      topology = topologies.get_topology_desc(topology_name=self.topology, platform="tpu")
+      topology = topologies.get_topology_desc(
+        topology_name=self.topology, platform="tpu", num_slices=self.slices
+      )
     return list(topology.devices)
 
+
+_H100 = 80 * 10**9
+_V5E = 16 * 2**30
 
 #: The machines zerojax is measured on, by name.
 TARGETS = {
   target.name: target
   for target in (
-    DevicelessTarget("h100x8", "cuda", "1x1x8", "h100_sxm.txtpb", 80 * 10**9),
-    DevicelessTarget("v5e-8", "tpu", "v5e:2x4", None, 16 * 2**30),
-    DevicelessTarget("v5e-64", "tpu", "v5e:8x8", None, 16 * 2**30),
+    *(
+      DevicelessTarget(f"h100x{8 * nodes}", "cuda", f"{nodes}x1x8", "h100_sxm.txtpb", _H100)
+      for nodes in (1, 2, 4, 8, 16)
+    ),
+    DevicelessTarget("v5e-8", "tpu", "v5e:2x4", None, _V5E),
+    DevicelessTarget("v5e-64", "tpu", "v5e:8x8", None, _V5E),
+    DevicelessTarget("v5e-256", "tpu", "v5e:16x16", None, _V5E),
+    *(DevicelessTarget(f"{n}xv5e-16", "tpu", "v5e:4x4", None, _V5E, n) for n in (2, 4)),
   )
 }
 
 
 #: The names of the machines zerojax compiles for without them, for ``deviceless_target``,
-#: ``deviceless_environment`` and ``deviceless_mesh``. An 8 x H100 SXM host, and TPU v5e
-#: slices of 2 x 4 and 8 x 8 chips.
+#: ``deviceless_environment`` and ``deviceless_mesh``: 1, 2, 4, 8 and 16 nodes of 8 H100 SXM
+#: (``"h100x8"`` to ``"h100x128"``), TPU v5e slices of 2 x 4, 8 x 8 and 16 x 16 chips
+#: (``"v5e-8"``, ``"v5e-64"``, ``"v5e-256"``), and 2 and 4 slices of 4 x 4 joined by the
+#: data-center network (``"2xv5e-16"``, ``"4xv5e-16"``).
 DEVICELESS_TARGETS = tuple(TARGETS)
 
 
@@ -102,8 +134,8 @@ def find_target(target: DevicelessTarget | str) -> DevicelessTarget:
   """The machine ``target`` names: its platform, topology and memory per device.
 
   Args:
-    target: one of ``DEVICELESS_TARGETS`` (``"h100x8"``, ``"v5e-8"``,
-      ``"v5e-64"``), or a ``DevicelessTarget``, returned as it is.
+    target: one of ``DEVICELESS_TARGETS`` (``"h100x8"``, ``"v5e-64"``, ...),
+      or a ``DevicelessTarget``, returned as it is.
 
   Returns:
     The ``DevicelessTarget``.
@@ -113,10 +145,12 @@ def find_target(target: DevicelessTarget | str) -> DevicelessTarget:
 
   Example:
     >>> from zerojax.diagnostics import DEVICELESS_TARGETS, deviceless_target
-    >>> DEVICELESS_TARGETS
-    ('h100x8', 'v5e-8', 'v5e-64')
-    >>> [deviceless_target(name).platform for name in DEVICELESS_TARGETS]
-    ['cuda', 'tpu', 'tpu']
+    >>> DEVICELESS_TARGETS[:5]
+    ('h100x8', 'h100x16', 'h100x32', 'h100x64', 'h100x128')
+    >>> DEVICELESS_TARGETS[5:]
+    ('v5e-8', 'v5e-64', 'v5e-256', '2xv5e-16', '4xv5e-16')
+    >>> [deviceless_target(name).platform for name in ("h100x64", "v5e-256")]
+    ['cuda', 'tpu']
     >>> deviceless_target("v5e-64").hbm_bytes // 2**30
     16
   """
@@ -142,7 +176,7 @@ def environment(target: str, *, scheduler_log: bool = True, xla_flags: str = "")
   device: start a new process with them.
 
   Args:
-    target: ``"h100x8"``, ``"v5e-8"`` or ``"v5e-64"`` (see ``deviceless_mesh``).
+    target: one of ``DEVICELESS_TARGETS`` (see ``deviceless_target``).
     scheduler_log: on GPU, make XLA log its latency-hiding scheduler's
       statistics (read them with ``capture_stderr`` and ``scheduler_estimate``).
     xla_flags: ``XLA_FLAGS`` to compile with, as on the accelerator's host. On
@@ -208,8 +242,9 @@ def mesh(
   ``jax.eval_shape(tx.shard, ...)``.
 
   Args:
-    target: ``"h100x8"`` (8 x H100 SXM), ``"v5e-8"`` (TPU v5e, 2 x 4) or
-      ``"v5e-64"`` (8 x 8).
+    target: one of ``DEVICELESS_TARGETS``: ``"h100x8"`` (8 x H100 SXM) to
+      ``"h100x128"`` (16 such nodes), ``"v5e-8"`` (TPU v5e, 2 x 4) to
+      ``"v5e-256"`` (16 x 16), ``"2xv5e-16"`` (two slices of 4 x 4), ...
     shape: the mesh's shape; its product must be the target's device count.
     axis_names: the mesh's axis names.
     axis_types: as for ``jax.sharding.Mesh`` (``Auto`` by default).
