@@ -141,3 +141,42 @@ def test_train_lm_offload_changes_no_loss_and_reports_host_bytes(flat_tiny_run, 
   # --no-report: no memory table, no sample, no plot; the metrics and the loss log all the same.
   assert f"wrote {tmp_path / 'metrics.json'}\n" in out and "sample:" not in out
   assert sorted(path.name for path in tmp_path.iterdir()) == ["losses.jsonl", "metrics.json"]
+
+
+@pytest.mark.parametrize(
+  "stage, shape, schedule",
+  [(3, {"data": 8}, None), (1, {"data": 8}, None), (3, {"stage": 2, "data": 4}, "1f1b")],
+)
+def test_train_lm_evaluates_and_samples_on_stored_parameters_as_on_the_whole_model(
+  stage, shape, schedule
+):
+  # The example's evaluation and sample (zerojax.forward: each device its rows, a layer open
+  # at a time) against the same functions on the gathered model, on one device's view.
+  import functools
+
+  import jax
+  import optax
+
+  from examples.lm import configs
+  from examples.lm import model as lm_model
+  from examples.lm import stages
+
+  mesh = jax.make_mesh(tuple(shape.values()), tuple(shape))
+  preset = configs.PRESETS["tiny"]
+  model = lm_model.make_model(preset, preset.seq_len, 1, schedule and "gpipe")
+  loss = functools.partial(lm_model.loss_fn, model=model)
+  setup = stages.make_setup(stage, mesh, optax.sgd(0.1), loss)
+  initial = stages.place_on_model_axis(lm_model.init_params(model, 0), mesh)
+  params = setup.place(initial)
+  whole = lm_model.make_model(preset, preset.seq_len)
+  tokens = np.random.default_rng(0).integers(0, 256, (16, preset.seq_len + 1))
+  x, y = tokens[:, :-1], tokens[:, 1:]
+  losses = functools.partial(lm_model.example_losses, model=model)
+  stored = jax.jit(lambda p, x, y: setup.forward(losses)(p, x, y).mean())(params, x, y)
+  gathered = jax.device_get(setup.tx.gather(params))
+  reference = lm_model.loss_fn(gathered, x, y, model=whole)
+  np.testing.assert_allclose(stored, reference, rtol=1e-6)
+  key = jax.random.key(1)
+  rows = mesh.shape["data"]
+  sampled = lm_model.sample(setup.forward, params, model, key, rows, prompt="import ")
+  assert sampled == lm_model.sample(lambda fn: fn, gathered, whole, key, prompt="import ")

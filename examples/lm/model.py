@@ -165,29 +165,43 @@ def loss_fn(params: dict[str, Any], x: jax.Array, y: jax.Array, model: GPT) -> j
   return model.apply({"params": params}, x, y)
 
 
-def sample(params: Any, model: GPT, key: jax.Array, prompt: str = SAMPLE_PROMPT) -> str:
-  """Continues ``prompt`` by ``SAMPLE_LENGTH`` bytes, sampled at ``SAMPLE_TEMPERATURE``."""
+def example_losses(params: dict[str, Any], x: jax.Array, y: jax.Array, model: GPT) -> jax.Array:
+  """Each window's mean next-byte cross-entropy (shape ``x.shape[:1]``), for evaluating."""
+  logits = model.apply({"params": params}, x).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(axis=1)
+
+
+def sample(
+  run: Any, params: Any, model: GPT, key: jax.Array, rows: int = 1, prompt: str = SAMPLE_PROMPT
+) -> str:
+  """Continues ``prompt`` by ``SAMPLE_LENGTH`` bytes, sampled at ``SAMPLE_TEMPERATURE``.
+
+  ``run`` runs the sampler on the parameters as they are stored (the
+  ``forward`` of ``stages.Setup``): ``rows`` continuations at once, split over
+  the devices like a batch, row ``r`` drawn from ``fold_in(key, r)``. Returns
+  the first, the same whatever ``rows`` is.
+  """
   start = len(prompt.encode())
   seq_len = model.seq_len
   buffer = np.zeros(max(seq_len, start + SAMPLE_LENGTH), np.int32)
   buffer[:start] = np.frombuffer(prompt.encode(), np.uint8)
 
-  @jax.jit
-  def generate(params, buffer, key):
+  def generate(params, buffers, keys):  # each device's rows
     def next_byte(i, carry):
-      buffer, key = carry
+      buffers, keys = carry
       end = start + i
       first = jnp.maximum(end - seq_len, 0)
-      window = jax.lax.dynamic_slice(buffer, (first,), (seq_len,))
-      logits = model.apply({"params": params}, window[None])[0, end - first - 1]
-      key, subkey = jax.random.split(key)
-      token = jax.random.categorical(subkey, logits / SAMPLE_TEMPERATURE)
-      return buffer.at[end].set(token), key
+      windows = jax.lax.dynamic_slice_in_dim(buffers, first, seq_len, axis=1)
+      logits = model.apply({"params": params}, windows)[:, end - first - 1]
+      keys, subkeys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+      tokens = jax.vmap(jax.random.categorical)(subkeys, logits / SAMPLE_TEMPERATURE)
+      return buffers.at[:, end].set(tokens), keys
 
-    return jax.lax.fori_loop(0, SAMPLE_LENGTH, next_byte, (buffer, key))[0]
+    return jax.lax.fori_loop(0, SAMPLE_LENGTH, next_byte, (buffers, keys))[0]
 
-  out = np.asarray(generate(params, buffer, key))[: start + SAMPLE_LENGTH]
-  return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+  keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(rows))
+  out = np.asarray(jax.jit(run(generate))(params, np.tile(buffer, (rows, 1)), keys))
+  return out[0, : start + SAMPLE_LENGTH].astype(np.uint8).tobytes().decode("utf-8", "replace")
 
 
 def pipeline_specs(specs: dict[str, Any], axis: str = "stage") -> dict[str, Any]:

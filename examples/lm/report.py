@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import statistics
 import sys
@@ -134,9 +135,12 @@ def validation(history: History, unigram_loss: float) -> str:
 
 
 def per_device_bytes(tree: Any, memory_kind: str | None = None) -> int:
-  """Bytes of ``tree`` that one device holds: its shard of every leaf (in ``memory_kind`` only)."""
+  """Bytes of ``tree`` that one device holds: its shard of every leaf (in ``memory_kind`` only).
+
+  The leaves may be arrays or ``jax.ShapeDtypeStruct`` s with a sharding.
+  """
   return sum(
-    x.addressable_shards[0].data.nbytes
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
     for x in jax.tree.leaves(tree)
     if memory_kind in (None, x.sharding.memory_kind)
   )

@@ -29,15 +29,16 @@ class Setup(NamedTuple):
     init: full-precision parameters -> optimizer state.
     step: the jitted ``(params, opt_state, x, y) -> (params, opt_state, loss)``,
       which donates the parameters and the optimizer state.
-    gather: stored parameters -> full, replicated parameters (also usable
-      inside ``jax.jit``).
+    forward: ``fn(params, *batch) -> per-example outputs`` -> the same on
+      stored parameters, each device on its slice of the batch, never
+      gathering the model (``zerojax.forward``; stage 0 calls ``fn``).
     tx: the zerojax transformation (``None`` for stage 0).
   """
 
   place: Callable[[Any], Any]
   init: Callable[[Any], Any]
   step: jax.stages.Wrapped
-  gather: Callable[[Any], Any]
+  forward: Callable[[Callable], Callable]
   tx: zerojax.ZeroTransformation | None
 
 
@@ -78,7 +79,7 @@ def make_setup(
     grad_fn = lambda params, x, y, opt_state: plain_grad_fn(params, x, y)
     tx = None
     place = lambda params: params
-    init, gather = jax.jit(optimizer.init), lambda params: params
+    init, forward = jax.jit(optimizer.init), lambda fn: fn
   else:
     tx = (zerojax.zero1, zerojax.zero2, zerojax.zero3)[stage - 1](
       optimizer,
@@ -90,9 +91,8 @@ def make_setup(
     # With pipeline stages, the pipeline splits the batch into the micro-batches.
     accumulated = 1 if "stage" in mesh.axis_names else microbatches
     grad_fn = zerojax.value_and_grad(loss, tx, microbatches=accumulated)
-    # Jitted here so that repeated calls (every evaluation) reuse one compilation.
     place, init = tx.shard, tx.init
-    gather = jax.jit(lambda params: off_stages(tx.gather(params), mesh))
+    forward = lambda fn: zerojax.forward(fn, tx)
 
   def step(params, opt_state, x, y):
     # The optimizer state carries the fp16 loss scale (and is ignored by stage 0).
@@ -100,7 +100,7 @@ def make_setup(
     updates, opt_state = (tx or optimizer).update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
-  return Setup(place, init, jax.jit(step, donate_argnums=(0, 1)), gather, tx)
+  return Setup(place, init, jax.jit(step, donate_argnums=(0, 1)), forward, tx)
 
 
 def place_on_model_axis(params: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -114,19 +114,3 @@ def place_on_model_axis(params: Any, mesh: jax.sharding.Mesh) -> Any:
     specs = lm_model.pipeline_specs(specs)
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
   return jax.device_put(params, shardings)
-
-
-def off_stages(params: Any, mesh: jax.sharding.Mesh) -> Any:
-  """``params`` (inside ``jax.jit``) with the stage axis taken out of their placement.
-
-  For the unpipelined model that evaluates and samples: it scans every layer on
-  every device.
-  """
-  if "stage" not in mesh.axis_names:
-    return params
-
-  def whole(x):
-    spec = [None if entry == "stage" else entry for entry in jax.typeof(x).sharding.spec]
-    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
-
-  return jax.tree.map(whole, params)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import pathlib
 import time
 from typing import Any, NamedTuple
@@ -32,13 +33,17 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   leader = jax.process_index() == 0  # in a multi-process run, the one that prints and writes
   say = print if leader else lambda *_, **__: None
   batches = lm_data.Batches(config, mesh)
-  model = lm_model.make_model(config.preset, config.seq_len, config.prefetch)
-  # With pipeline stages, the step's model runs its layers as stages; evaluation and
-  # sampling run them all on every device. Both have the same parameters.
+  # Evaluation and sampling run the layers in turn; with pipeline stages, as stages of one
+  # micro-batch (the parameters stay where the step keeps them). The step's model runs the
+  # flags' schedule. Both have the same parameters.
+  model = lm_model.make_model(
+    config.preset, config.seq_len, config.prefetch, config.pipeline and "gpipe"
+  )
   stepped = lm_model.make_model(
     config.preset, config.seq_len, config.prefetch, config.pipeline, config.microbatches
   )
   loss = functools.partial(lm_model.loss_fn, model=model)
+  example_losses = functools.partial(lm_model.example_losses, model=model)
   schedule = learning_rate_schedule(config, say)
   optimizer = stages.make_optimizer(schedule.lr, schedule.steps)
   step_loss = functools.partial(lm_model.loss_fn, model=stepped)
@@ -47,6 +52,10 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   )
   initial = stages.place_on_model_axis(lm_model.init_params(model, config.seed), mesh)
   n_params = sum(x.size for x in jax.tree.leaves(initial))
+  # What stage 0's step is compiled for at the end, for its memory: the step donates the
+  # arrays a stage may store as they are.
+  abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  replica = jax.tree.map(abstract, initial)
   # The optimizer state (with the fp32 master copy) first: placing may round to --precision.
   opt_state = setup.init(initial)
   params = setup.place(initial)
@@ -68,7 +77,8 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   start = time.perf_counter()
   compiled = setup.step.lower(params, opt_state, *batches.train(0)).compile()
   compile_seconds = time.perf_counter() - start
-  evaluate = jax.jit(lambda params, x, y: loss(setup.gather(params), x, y))
+  # On the parameters as stored: each device evaluates its windows, a layer opened at a time.
+  evaluate = jax.jit(lambda params, x, y: setup.forward(example_losses)(params, x, y).mean())
 
   history = report.History(first_step)
   progress = report.Progress(config, first_step, enabled=leader)
@@ -98,12 +108,13 @@ def train(config: configs.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   memory = {f"stage {config.stage}": report.memory_stats(compiled, params, opt_state)}
   sample = None
   if config.report:
-    full_params = setup.gather(params)
     if config.stage:  # the baseline holds a whole replica of parameters and optimizer state
-      stage0 = stage0_memory(mesh, optimizer, loss, full_params, batches.train(0))
+      stage0 = stage0_memory(mesh, optimizer, loss, replica, batches.train(0))
       memory = {"stage 0": stage0, **memory}
     say(report.format_memory(memory))
-    sample = lm_model.sample(full_params, model, jax.random.key(config.seed))
+    # One continuation a device (the first is printed): sampling splits its rows like a batch.
+    rows = math.prod(mesh.shape[axis] for axis in setup.tx.batch_axes) if setup.tx else 1
+    sample = lm_model.sample(setup.forward, params, model, jax.random.key(config.seed), rows)
     say(f"sample:\n{sample}")
   metrics = report.metrics(
     config,
@@ -277,10 +288,16 @@ def exit_preempted(config: configs.Config, checkpoints, step: int, say) -> None:
   raise SystemExit(status)
 
 
-def stage0_memory(mesh, optimizer, loss, full_params: Any, batch) -> dict[str, int]:
-  """Per-device memory of the stage-0 step, which holds a whole replica of everything."""
+def stage0_memory(mesh, optimizer, loss, params: Any, batch) -> dict[str, int]:
+  """Per-device memory of the stage-0 step, which holds a whole replica of everything.
+
+  ``params`` are abstract (``jax.ShapeDtypeStruct`` s), placed as stage 0 keeps them.
+  """
   setup = stages.make_setup(0, mesh, optimizer, loss)
-  params = stages.place_on_model_axis(full_params, mesh)
-  opt_state = setup.init(params)
+  replicated = NamedSharding(mesh, P())  # where an abstract leaf (a step count) says nothing
+  opt_state = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding or replicated),
+    jax.eval_shape(setup.init, params),
+  )
   compiled = setup.step.lower(params, opt_state, *batch).compile()
   return report.memory_stats(compiled, params, opt_state)
