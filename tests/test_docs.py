@@ -271,6 +271,76 @@ def test_readme_quickstart_runs_as_pasted_and_the_loss_falls(tmp_path):
     assert float(f"{losses[int(step)]:.{digits}g}") == float(value), (comment, losses)
 
 
+def offload_script() -> Block:
+  """offload.md's measurement for a GPU or TPU host: Python piped to ``python -``."""
+  return next(block for block in blocks("offload.md") if prints(block) and block.info == "bash")
+
+
+def test_offload_s_accelerator_script_runs_here_at_a_smaller_size(tmp_path):
+  # It moves 1 GiB per device and trains 268M parameters; on CPU devices, at these sizes, it
+  # shows that it runs through and prints what offload.md says to expect.
+  script = re.search(r"<<'EOF'\n(.*?\n)EOF\n", offload_script().text, re.DOTALL)[1]
+  sizes = re.search(r"^LINK, LAYERS, WIDTH = .*$", script, re.MULTILINE)[0]
+  (tmp_path / "offload.py").write_text(
+    script.replace(sizes, "LINK, LAYERS, WIDTH = 2**16, 2, 256  # here")
+  )
+  done = subprocess.run(
+    [sys.executable, "offload.py"],
+    cwd=tmp_path,
+    env=environment.subprocess_env(devices=8),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stderr[-5000:]
+  expected = re.search(r"Expect `(\[.*?\])` on the first line", (DOCS / "offload.md").read_text())
+  number = r"\d+\.\d+"
+  formats = [
+    rf"cpu cpu {re.escape(expected[1])}",
+    rf"per device: to host {number} GB/s, back {number} GB/s",
+    rf"offload=None: {number} GiB in use",
+    rf"offload=optimizer: {number} GiB in use",
+    rf"step: {number} s, offloaded {number} s, ratio {number}",
+  ]
+  lines = done.stdout.splitlines()
+  assert len(lines) == len(formats), done.stdout
+  for line, form in zip(lines, formats, strict=True):
+    assert re.fullmatch(form, line), (line, form)
+
+
+#: Console blocks that another test module runs, by how they start (test modules do not import
+#: one another): tests/test_estimate.py runs every documented ``python -m zerojax.estimate``.
+RUN_ELSEWHERE = ("$ python -m zerojax.estimate ",)
+
+
+def test_every_snippet_that_prints_is_run():
+  ran = {block for run in RUNS.values() for block in run.blocks}
+  ran |= {quickstart(), offload_script()}
+  unrun = [
+    block
+    for page in PAGES
+    for block in blocks(page)
+    if prints(block) and block not in ran and not block.text.startswith(RUN_ELSEWHERE)
+  ]
+  assert not unrun, (
+    f"no test runs these snippets that print: {', '.join(map(str, unrun))}. Add the page to "
+    "PRINTING_PAGES (tests/test_docs.py's docstring says how a page shows what a snippet "
+    "prints and how to run it)"
+  )
+
+
+def test_snippets_that_print_are_told_from_those_that_do_not():
+  block = lambda info, text: Block("new.md", 1, info, text)
+  assert prints(block("python", "x = 1\nprint(x)  # 1\n"))
+  assert prints(block("python", ">>> 1 + 1\n2\n"))
+  assert prints(block("text", "$ python -m zerojax.estimate --params 1e9\nGB per device:\n"))
+  assert prints(block("bash", "python - <<'EOF'\nprint(1)\nEOF\n"))
+  assert prints(block("bash", 'python -c "print(1)"\n'))
+  assert not prints(block("python", "x = 1\n"))
+  assert not prints(block("bash", "python examples/train_lm.py --model tiny\n"))
+  assert not prints(block("text", "a diagram, or the error a command prints\n"))
+
+
 def test_public_names_cover_the_package_and_its_public_modules():
   names = coverage_check.public_names("zerojax")
   assert {f"zerojax.{name}" for name in zerojax.__all__} <= set(names)
