@@ -232,3 +232,14 @@ def test_values_take_the_dtype_of_like_before_the_stored_one(huggingface_files):
   loaded = zerojax.load_safetensors(huggingface_files, tx, like(full), keys=huggingface_keys)
   assert loaded["embed"].dtype == np.float32
   assert_placed_as(loaded, tx.shard(full))
+
+
+@pytest.mark.parametrize("piece_bytes", [64, 40_000])
+def test_leaves_read_in_pieces_load_the_same(huggingface_files, monkeypatch, piece_bytes):
+  # Pieces of part of a row, of several rows: each scattered into its shards.
+  monkeypatch.setattr(zerojax._src.checkpoint.load, "PIECE_BYTES", piece_bytes)
+  for stage in (1, 3):
+    tx = STAGES[stage](optax.adam(1e-3), mesh=mesh_of(8, "explicit"))
+    full = full_params()
+    loaded = zerojax.load_safetensors(huggingface_files, tx, like(full), keys=huggingface_keys)
+    assert_placed_as(loaded, tx.shard(full))

@@ -1,18 +1,20 @@
 """Pretrained weights from safetensors files straight into a transformation's shards.
 
-Each array is made with ``jax.make_array_from_callback``, which asks this
-process only for the regions its own devices hold; each region is read from
-disk alone (``tensor_files``), cast, and zero-filled where the stored layout
-pads, so no process ever holds a whole leaf it does not store whole (stage 3),
-let alone the whole model.
+Each array is assembled from the shards this process's devices hold (the
+regions ``jax.make_array_from_callback`` would ask it for): they are read from
+disk a piece at a time (``tensor_files``), cast, zero-filled where the stored
+layout pads, and put on their devices one by one; so no process ever holds a
+whole leaf it does not store whole (stage 3), let alone the whole model.
 """
 
 from __future__ import annotations
 
+import collections
 import difflib
+import itertools
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -101,9 +103,9 @@ def load_safetensors(
 
   What ``tx.shard(params)`` returns for the parameters in the files, without
   making them whole anywhere: each process reads from disk only the regions
-  its devices store (``jax.make_array_from_callback``), a buffer at a time.
-  Stage 3's leaves come back as ``zerojax.Stored``, zero-padded where the
-  layout pads (each padded shard is filled on its own); stages 1 and 2
+  its devices store (what ``jax.make_array_from_callback`` would ask it for), a
+  piece at a time. Stage 3's leaves come back as ``zerojax.Stored``,
+  zero-padded where the layout pads (each padded shard is filled on its own); stages 1 and 2
   replicate whole parameters, so every process reads them whole. Each value
   is cast from the file's dtype to ``like``'s, then to the stored dtype, as
   ``tx.shard`` of parameters in ``like``'s dtypes would: a bfloat16 file
@@ -167,8 +169,7 @@ def load_safetensors(
 
   def place(stored: layout_lib.LeafLayout, leaf: Any, source: _Source) -> jax.Array:
     sharding = NamedSharding(settings.mesh, stored.partition_spec)
-    read = _ShardReader(source, stored, np.dtype(leaf.dtype), sharding)
-    return jax.make_array_from_callback(stored.stored_shape, sharding, read, dtype=stored.dtype)
+    return _place(source, stored, np.dtype(leaf.dtype), sharding)
 
   placed = jax.tree.unflatten(
     treedef,
@@ -184,59 +185,92 @@ def _name(path: tuple[Any, ...]) -> str:
   return ".".join(str(spec_lib.key_name(key)) for key in path)
 
 
-class _ShardReader:
-  """``make_array_from_callback``'s callback for one leaf: a stored region, read and laid out.
+#: A leaf is read in pieces of at most this many bytes (after its cast), each scattered into the
+#: shards it overlaps: the bound on what host memory holds beyond the shards themselves.
+PIECE_BYTES = 32 * 2**20
 
-  The regions this process's devices hold are read in one pass where they
-  tile a box (adjacent shards, replicas), else each alone; each is read where
-  it overlaps the logical leaf, cast, and zero-filled beyond.
+
+def _place(
+  source: _Source, stored: layout_lib.LeafLayout, dtype: np.dtype, sharding: NamedSharding
+) -> jax.Array:
+  """The stored leaf, made of the shards this process's devices hold, each read from the files.
+
+  Shards that tile a box (adjacent shards, replicas) are filled in one pass
+  over it, a piece at a time; shards of the padded region beyond the logical
+  leaf stay zeros. Each is then put on its devices and dropped from host
+  memory before the next.
   """
-
-  def __init__(self, source: _Source, stored: layout_lib.LeafLayout, dtype: np.dtype, sharding):
-    self.source, self.stored, self.dtype = source, stored, dtype
-    shape = stored.stored_shape
-    indices = sharding.addressable_devices_indices_map(shape).values()
-    self._box = _tiled_box({_bounds(index, shape) for index in indices})
-    self._values: np.ndarray | None = None
-
-  def __call__(self, index: Any) -> np.ndarray:
-    bounds = _bounds(index, self.stored.stored_shape)
-    if self._box is None:
-      return self._region(bounds)
-    if self._values is None:
-      self._values = self._region(self._box)
-    within = zip(bounds, self._box, strict=True)
-    return self._values[tuple(slice(a - start, b - start) for (a, b), (start, _) in within)]
-
-  def _region(self, bounds: tuple[tuple[int, int], ...]) -> np.ndarray:
-    inside = tuple(
-      slice(min(start, size), min(stop, size))
-      for (start, stop), size in zip(bounds, self.stored.shape, strict=True)
-    )
-    values = self.source.read(inside).astype(self.dtype, copy=False)
-    values = values.astype(self.stored.dtype, copy=False)
-    if values.shape == tuple(stop - start for start, stop in bounds):
-      return values
-    region = np.zeros([stop - start for start, stop in bounds], self.stored.dtype)
-    region[tuple(slice(0, n) for n in values.shape)] = values
-    return region
+  shape = stored.stored_shape
+  devices = {
+    device: _bounds(index, shape)
+    for device, index in sharding.addressable_devices_indices_map(shape).items()
+  }
+  shards = {region: np.zeros(_extent(region), stored.dtype) for region in devices.values()}
+  box = _tiled_box(set(shards))
+  itemsize = max(stored.dtype.itemsize, dtype.itemsize, source.tensors[0].dtype.itemsize)
+  for cover in [box] if box is not None else list(shards):
+    for piece in _pieces(_clipped(cover, stored.shape), PIECE_BYTES // itemsize):
+      values = source.read(tuple(slice(a, b) for a, b in piece))
+      values = values.astype(dtype, copy=False).astype(stored.dtype, copy=False)
+      for region, shard in shards.items():
+        _copy_overlap(values, piece, shard, region)
+  arrays, left = [], collections.Counter(devices.values())
+  for device, region in devices.items():
+    arrays.append(jax.device_put(shards[region], device))
+    left[region] -= 1
+    if not left[region]:
+      del shards[region]  # on its last device: not held twice
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+Bounds = tuple[tuple[int, int], ...]
+
+
+def _bounds(index: Any, shape: tuple[int, ...]) -> Bounds:
   return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
-def _tiled_box(regions: set[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, int], ...] | None:
+def _extent(bounds: Bounds) -> tuple[int, ...]:
+  return tuple(stop - start for start, stop in bounds)
+
+
+def _tiled_box(regions: set[Bounds]) -> Bounds | None:
   """The box the (disjoint) ``regions`` tile exactly, or ``None`` if they leave gaps in it."""
-  if not regions:
-    return None
   ndim = len(next(iter(regions)))
   box = tuple((min(r[d][0] for r in regions), max(r[d][1] for r in regions)) for d in range(ndim))
-  return box if _size(box) == sum(_size(r) for r in regions) else None
+  return box if math.prod(_extent(box)) == sum(math.prod(_extent(r)) for r in regions) else None
 
 
-def _size(bounds: tuple[tuple[int, int], ...]) -> int:
-  return math.prod(stop - start for start, stop in bounds)
+def _clipped(bounds: Bounds, shape: tuple[int, ...]) -> Bounds:
+  """``bounds`` inside the logical ``shape`` (the padding cut off; maybe empty)."""
+  return tuple((min(a, n), min(b, n)) for (a, b), n in zip(bounds, shape, strict=True))
+
+
+def _pieces(box: Bounds, elements: int) -> Iterator[Bounds]:
+  """``box`` cut into boxes of at most ``elements`` (or one row of its last dimension)."""
+  sizes = _extent(box)
+  if not box:
+    yield box
+  if 0 in sizes or not box:
+    return
+  axis = next((d for d in range(len(box)) if math.prod(sizes[d + 1 :]) <= elements), len(box) - 1)
+  step = max(1, elements // math.prod(sizes[axis + 1 :]))
+  for outer in itertools.product(*(range(a, b) for a, b in box[:axis])):
+    start, stop = box[axis]
+    for first in range(start, stop, step):
+      cut = ((first, min(first + step, stop)),)
+      yield tuple((i, i + 1) for i in outer) + cut + box[axis + 1 :]
+
+
+def _copy_overlap(values: np.ndarray, piece: Bounds, shard: np.ndarray, region: Bounds) -> None:
+  """Copies where ``piece`` (holding ``values``) overlaps ``region`` (held by ``shard``)."""
+  overlap = [(max(p[0], r[0]), min(p[1], r[1])) for p, r in zip(piece, region, strict=True)]
+  if any(a >= b for a, b in overlap):
+    return
+  within = lambda origin: tuple(
+    slice(a - o[0], b - o[0]) for (a, b), o in zip(overlap, origin, strict=True)
+  )
+  shard[within(region)] = values[within(piece)]
 
 
 def _sources(
