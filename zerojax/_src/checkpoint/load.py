@@ -187,7 +187,7 @@ def _name(path: tuple[Any, ...]) -> str:
 
 #: A leaf is read in pieces of at most this many bytes (after its cast), each scattered into the
 #: shards it overlaps: the bound on what host memory holds beyond the shards themselves.
-PIECE_BYTES = 32 * 2**20
+PIECE_BYTES = 4 * 2**20
 
 
 def _place(

@@ -50,7 +50,7 @@ DTYPES: dict[str, np.dtype] = {
 INDEX_FILE = "model.safetensors.index.json"
 
 #: A slice of some columns is read in whole rows, this many bytes of them at a time.
-ROWS_BUFFER_BYTES = 16 * 2**20
+ROWS_BUFFER_BYTES = 4 * 2**20
 #: A row's part at least this long is read on its own (skipping the rest of the row on disk).
 MIN_SPAN_BYTES = 64 * 2**10
 #: Larger headers are not safetensors headers (the format's own limit is 100 MB).
