@@ -41,8 +41,10 @@ def test_every_region_reads_as_numpy_slices_it(tmp_path, monkeypatch, rows_buffe
 def test_what_it_writes_huggingface_reads(tmp_path):
   from safetensors.numpy import load_file
 
-  arrays = {"b": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)}
-  arrays["i"] = np.arange(4, dtype=np.int64)
+  arrays: dict[str, np.ndarray] = {
+    "b": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16),
+    "i": np.arange(4, dtype=np.int64),
+  }
   tensor_files.write(tmp_path / "x.safetensors", arrays)
   loaded = load_file(str(tmp_path / "x.safetensors"))
   for name, array in arrays.items():
