@@ -44,6 +44,7 @@ MODULE_SECONDS = {
   "test_accumulation": 12,
   "test_estimate": 12,
   "test_init": 10,
+  "test_load_multiprocess": 6,
   "layout_test": 9,
   "test_transformation": 9,
   "test_equinox": 8,

@@ -3,15 +3,16 @@
 The optimizer API is here: ``zero1``, ``zero2`` and ``zero3`` wrap an optax
 optimizer; ``value_and_grad``, ``scan`` and ``gather`` write the training step;
 the estimators predict memory and communication; ``CheckpointManager`` saves
-and resumes. Reading compiled steps lives in ``zerojax.diagnostics``, running
-on many processes in ``zerojax.distributed``, Flax in ``zerojax.flax``, and
-the command lines in ``zerojax.launch``, ``zerojax.estimate`` and
-``zerojax.export``.
+and resumes; ``load_safetensors`` reads pretrained weights into shards. Reading
+compiled steps lives in ``zerojax.diagnostics``, running on many processes in
+``zerojax.distributed``, Flax in ``zerojax.flax``, and the command lines in
+``zerojax.launch``, ``zerojax.estimate`` and ``zerojax.export``.
 """
 
 from zerojax import diagnostics as diagnostics
 from zerojax import distributed as distributed
 from zerojax._src.checkpoint.export import export_safetensors, load_params
+from zerojax._src.checkpoint.load import FileKey, load_safetensors
 from zerojax._src.checkpoint.manager import CheckpointManager, StateSpec, train_state_spec
 from zerojax._src.comm.quantized import Quantization
 from zerojax._src.comm.shards import Shard, except_gathered, gather, remat_policy
@@ -45,6 +46,7 @@ __all__ = (
   "CheckpointManager",
   "CommunicationEstimate",
   "DynamicLossScale",
+  "FileKey",
   "Layout",
   "LeafLayout",
   "LossScaleState",
@@ -66,6 +68,7 @@ __all__ = (
   "forward",
   "gather",
   "load_params",
+  "load_safetensors",
   "pipeline",
   "pipeline_timetable",
   "remat_policy",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -30,20 +29,7 @@ import orbax.checkpoint as ocp
 from zerojax._src.checkpoint import directory as directory_lib
 from zerojax._src.checkpoint import master as master_lib
 from zerojax._src.checkpoint import spec as spec_lib
-
-_SAFETENSORS_DTYPES = {
-  "float64": "F64",
-  "float32": "F32",
-  "int64": "I64",
-  "int32": "I32",
-  "int16": "I16",
-  "int8": "I8",
-  "uint64": "U64",
-  "uint32": "U32",
-  "uint16": "U16",
-  "uint8": "U8",
-  "bool": "BOOL",
-}
+from zerojax._src.checkpoint import tensor_files
 
 
 def full_precision(dtype: np.dtype) -> np.dtype:
@@ -224,27 +210,15 @@ def export_safetensors(
           f"(keys joined with '.'): rename one, or use load_params to get the tree."
         )
       tensors[name] = jax.ShapeDtypeStruct(leaf.shape, full_precision(leaf.dtype))
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, struct in tensors.items():
-      size = math.prod(struct.shape) * struct.dtype.itemsize
-      header[name] = {
-        "dtype": _safetensors_dtype(name, struct.dtype),
-        "shape": list(struct.shape),
-        "data_offsets": [offset, offset + size],
-      }
-      offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    header = tensor_files.header_bytes(tensors)
     # Written beside ``path`` and renamed when complete, so that a failed export
     # neither leaves a partial file nor destroys an earlier one.
     partial = f"{os.fspath(path)}.partial"
     try:
       with open(partial, "wb") as file:
-        file.write(len(encoded).to_bytes(8, "little"))
-        file.write(encoded)
+        file.write(header)
         for leaf in leaves:  # one expression, so that no leaf outlives its write
-          file.write(_little_endian(read(leaf)).data)
+          file.write(tensor_files.data_bytes(read(leaf)))
       os.replace(partial, path)
     finally:
       with contextlib.suppress(FileNotFoundError):
@@ -263,19 +237,6 @@ def check_output(path: str | os.PathLike) -> None:
   parent = os.path.dirname(path)
   if not os.path.isdir(parent):
     raise ValueError(f"{parent} does not exist (or is not a directory): create it first.")
-
-
-def _little_endian(array: np.ndarray) -> np.ndarray:
-  return np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
-
-
-def _safetensors_dtype(name: str, dtype: np.dtype) -> str:
-  if dtype.name not in _SAFETENSORS_DTYPES:
-    raise ValueError(
-      f"parameter {name} is {dtype.name}, which safetensors cannot hold; "
-      f"it holds {sorted(_SAFETENSORS_DTYPES)}."
-    )
-  return _SAFETENSORS_DTYPES[dtype.name]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,119 @@
+"""One process of the 2-process loading job of ``tests/test_load_multiprocess.py``.
+
+``python -m zerojax_launch -n 2 --devices-per-process 4 tests/load_worker.py DIR``: loads
+``DIR/model.safetensors`` (see ``write_model``) into stage 3 on the 8 devices of both
+processes, measuring this process's peak resident memory (``ru_maxrss``) above what it held
+before and the bytes it read (``rchar`` of ``/proc/self/io``); checks each of its shards
+against the file; then loads the stacked layers onto a (stage, data) mesh whose stages are the
+processes, recording which file tensors it read. Writes ``DIR/p<process>.json``.
+"""
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file
+
+import zerojax
+from zerojax._src.checkpoint import tensor_files
+
+LAYERS = 4
+
+
+def write_model(path: Path) -> None:
+  """128 MiB in sixteen 8 MiB leaves: one split over columns (each process's half of a row,
+  64 KiB, is read alone), fourteen split over rows, stacked layers from four tensors; and one
+  padded at stage 3 (1009 is prime)."""
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: rng.standard_normal(shape, np.float32)
+  arrays = {
+    "wide": normal(64, 32768),
+    **{f"mlp.{k}": normal(2, 1024, 1024) for k in range(14)},
+    **{f"layers.{i}": normal(512, 1024) for i in range(LAYERS)},
+    "odd": normal(3, 1009),
+  }
+  tensor_files.write(path, arrays)
+
+
+def model_like() -> dict[str, jax.ShapeDtypeStruct]:
+  struct = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)
+  return {
+    "wide": struct(64, 32768),
+    **{f"mlp.{k}": struct(2, 1024, 1024) for k in range(14)},
+    "layers": struct(LAYERS, 512, 1024),
+    "odd": struct(3, 1009),
+  }
+
+
+KEYS = {"layers": [f"layers.{i}" for i in range(LAYERS)]}
+
+
+def resident_mib() -> float:
+  """This process's resident memory now (``ru_maxrss`` is its peak so far), in MiB."""
+  status = Path("/proc/self/status").read_text()
+  return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def bytes_read() -> int:
+  return int(Path("/proc/self/io").read_text().split("rchar:")[1].split()[0])
+
+
+def main(directory: Path) -> None:
+  zerojax.distributed.initialize(heartbeat_timeout=20, collective_timeout=60)
+  path = directory / "model.safetensors"
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
+  # Warm up what the first load starts (transfers, the processes' first collective).
+  zerojax.load_safetensors(path, tx, {"odd": model_like()["odd"]})
+
+  before, read_before = resident_mib(), bytes_read()
+  params = zerojax.load_safetensors(path, tx, model_like(), keys=KEYS)
+  jax.block_until_ready(params)
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  read = bytes_read() - read_before
+
+  # Checked after measuring: HuggingFace's reader loads the whole file.
+  whole = load_file(str(path))
+  whole["layers"] = np.stack([whole.pop(name) for name in KEYS["layers"]])
+  held, exact = 0, True  # held: the bytes of the file that this process's devices hold
+  for name, leaf in params.items():
+    padded = np.zeros(leaf.shape, np.float32)
+    padded[tuple(slice(0, n) for n in whole[name].shape)] = whole[name]
+    shards = {str(shard.index): shard for shard in leaf.value.addressable_shards}.values()
+    for shard in shards:
+      exact &= np.array_equal(np.asarray(shard.data), padded[shard.index])
+      held += whole[name][shard.index].nbytes
+  # Layers split over a "stage" axis whose two entries are the two processes.
+  reads = []
+  original = tensor_files.FileTensor.read
+  tensor_files.FileTensor.read = lambda self, index: (
+    reads.append(self.name) or original(self, index)
+  )
+  staged = jax.make_mesh((2, 4), ("stage", "data"))
+  structs = {
+    "layers": jax.ShapeDtypeStruct(
+      (LAYERS, 512, 1024), np.float32, sharding=NamedSharding(staged, P("stage"))
+    )
+  }
+  zerojax.load_safetensors(path, zerojax.zero3(optax.adam(1e-3), mesh=staged), structs, keys=KEYS)
+  tensor_files.FileTensor.read = original
+
+  report = {
+    "file_mib": path.stat().st_size / 2**20,
+    "held_mib": held / 2**20,
+    "read_mib": read / 2**20,
+    "growth_mib": peak - before,
+    "exact": bool(exact),
+    "layers_read": sorted(set(reads)),
+  }
+  (directory / f"p{jax.process_index()}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+  main(Path(sys.argv[1]))

@@ -1,0 +1,392 @@
+"""Pretrained weights from safetensors files straight into a transformation's shards.
+
+Each array is assembled from the shards this process's devices hold (the
+regions ``jax.make_array_from_callback`` would ask it for): they are read from
+disk a piece at a time (``tensor_files``), cast, zero-filled where the stored
+layout pads, and put on their devices one by one; so no process ever holds a
+whole leaf it does not store whole (stage 3), let alone the whole model.
+"""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import itertools
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from zerojax._src.checkpoint import spec as spec_lib
+from zerojax._src.checkpoint import tensor_files
+from zerojax._src.core import checks
+from zerojax._src.core import transformation as zero_lib
+from zerojax._src.sharding import layout as layout_lib
+from zerojax._src.sharding import stored as stored_lib
+
+
+class FileKey(NamedTuple):
+  """Where one leaf is in the files: one tensor, or one per layer stacked, maybe transposed.
+
+  Attributes:
+    key: a tensor's name; or a sequence of names, one per index of the leaf's
+      leading dimension, stacked along it (the layers of a model scanned with
+      ``zerojax.scan``, which HuggingFace files keep apart as ``h.0``,
+      ``h.1``, ...). Only the layers a process's shards hold are read.
+    transpose: the permutation of each tensor's axes that gives the leaf's
+      (``np.transpose``'s ``axes``): ``(1, 0)`` reads a PyTorch ``Linear``
+      weight, stored ``(out, in)``, into a Flax ``Dense`` kernel ``(in,
+      out)``. ``None`` keeps the axes.
+
+  Example:
+    >>> import zerojax
+    >>> zerojax.FileKey([f"h.{i}.mlp.c_fc.weight" for i in range(2)])
+    FileKey(key=['h.0.mlp.c_fc.weight', 'h.1.mlp.c_fc.weight'], transpose=None)
+  """
+
+  key: str | Sequence[str]
+  transpose: Sequence[int] | None = None
+
+
+#: What ``keys`` gives for a leaf: a tensor's name, names to stack, or a ``FileKey``.
+KeyLike = str | Sequence[str] | FileKey
+
+
+class _Source(NamedTuple):
+  """A leaf's tensors in the files: ``stacked`` along a new leading axis or one alone."""
+
+  tensors: tuple[tensor_files.FileTensor, ...]
+  stacked: bool
+  transpose: tuple[int, ...] | None
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    shape = self.tensors[0].shape
+    if self.transpose is not None:
+      shape = tuple(shape[axis] for axis in self.transpose)
+    return (len(self.tensors), *shape) if self.stacked else shape
+
+  def read(self, region: tuple[slice, ...]) -> np.ndarray:
+    """The leaf's ``region``, read from the files: only the layers and slices in it."""
+    if not self.stacked:
+      return self._read_one(self.tensors[0], region)
+    layers = range(*region[0].indices(len(self.tensors)))
+    parts = [self._read_one(self.tensors[i], region[1:]) for i in layers]
+    if parts:
+      return np.stack(parts)
+    empty = [len(range(*s.indices(n))) for s, n in zip(region, self.shape, strict=True)]
+    return np.empty(empty, self.tensors[0].dtype)
+
+  def _read_one(self, tensor: tensor_files.FileTensor, region: tuple[slice, ...]) -> np.ndarray:
+    if self.transpose is None:
+      return tensor.read(region)
+    # The leaf's axis j is the file's axis transpose[j].
+    file_region = [slice(None)] * len(region)
+    for leaf_axis, file_axis in enumerate(self.transpose):
+      file_region[file_axis] = region[leaf_axis]
+    return np.transpose(tensor.read(tuple(file_region)), self.transpose)
+
+
+def load_safetensors(
+  paths: str | os.PathLike | Iterable[str | os.PathLike],
+  tx: zero_lib.ZeroTransformation,
+  like: Any,
+  *,
+  keys: Mapping[str, KeyLike] | Callable[[str], KeyLike] | None = None,
+) -> Any:
+  """Reads parameters from safetensors files into ``tx``'s shards, as ``tx.shard`` places them.
+
+  What ``tx.shard(params)`` returns for the parameters in the files, without
+  making them whole anywhere: each process reads from disk only the regions
+  its devices store (what ``jax.make_array_from_callback`` would ask it for), a
+  piece at a time. Stage 3's leaves come back as ``zerojax.Stored``,
+  zero-padded where the layout pads (each padded shard is filled on its own); stages 1 and 2
+  replicate whole parameters, so every process reads them whole. Each value
+  is cast from the file's dtype to ``like``'s, then to the stored dtype, as
+  ``tx.shard`` of parameters in ``like``'s dtypes would: a bfloat16 file
+  loads exactly into float32 master parameters.
+
+  Reads the files ``zerojax.export_safetensors`` writes (round trips are
+  exact, onto any stage and device count) and HuggingFace's: one file, or a
+  model split over several with a ``model.safetensors.index.json``.
+
+  Args:
+    paths: a ``.safetensors`` file, a HuggingFace index (``...index.json``), a
+      directory holding one of those (an index first, else every
+      ``.safetensors`` file in it), or a sequence of such paths.
+    tx: the transformation the parameters are for.
+    like: the parameters' tree, abstract: ``jax.ShapeDtypeStruct`` s (or
+      arrays) of the logical shapes and dtypes, e.g. ``jax.eval_shape(lambda:
+      model.init(key, x)["params"])``. A leaf's ``sharding``, if it has one,
+      places it on other mesh axes (tensor parallelism), as in ``tx.shard``.
+    keys: the files' name for each leaf, by the leaf's own name: its path in
+      ``like``, keys joined with ``"."`` (``"layers.0.kernel"``, the name
+      ``export_safetensors`` gives it). A mapping of those names (leaves not
+      in it keep their own names), or a function of them. Each gives a
+      tensor's name, a sequence of names to stack along the leaf's leading
+      dimension (scanned layers), or a ``zerojax.FileKey`` (to transpose).
+      ``None`` (the default): every leaf keeps its own name. Tensors that no
+      leaf names are not read.
+
+  Returns:
+    The parameters in ``like``'s structure, as ``tx.shard`` would return them.
+
+  Raises:
+    ValueError: naming every leaf whose tensor is missing from the files (and
+      the closest names there), whose shape differs from ``like``'s (and the
+      ``FileKey`` that would fit, if a transpose or a stack would), or whose
+      dtype cannot become the leaf's (a float tensor for an integer leaf, or
+      a dtype zerojax cannot read); or for a path that is not safetensors.
+
+  Example:
+    >>> import os, tempfile, jax, jax.numpy as jnp, ml_dtypes, numpy as np, optax, zerojax
+    >>> from zerojax._src.checkpoint.tensor_files import write
+    >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> layers = {f"h.{i}.weight": np.full((1001, 4), i, ml_dtypes.bfloat16) for i in range(2)}
+    >>> write(path, layers)  # two layers as HuggingFace keeps them: bf16, (out, in)
+    >>> like = {"kernel": jax.ShapeDtypeStruct((2, 4, 1001), jnp.float32)}  # scanned, (in, out)
+    >>> keys = {"kernel": zerojax.FileKey(list(layers), transpose=(1, 0))}
+    >>> params = zerojax.load_safetensors(path, tx, like, keys=keys)
+    >>> params["kernel"].value.addressable_shards[0].data.shape, params["kernel"].layout.shape
+    ((2, 4, 126), (2, 4, 1001))
+    >>> tx.gather(params)["kernel"][1, 0, :3].tolist()
+    [1.0, 1.0, 1.0]
+  """
+  optimizer = zero_lib.unwrap(tx)
+  settings = optimizer.settings
+  logical = stored_lib.logical(like)
+  checks.same_model_on_every_process(logical)
+  plans = optimizer.plans(logical)
+  found = tensor_files.tensors(paths)
+  named, treedef = jax.tree_util.tree_flatten_with_path(logical)
+  sources = _sources(found, [(_name(path), leaf) for path, leaf in named], keys, paths)
+
+  def place(stored: layout_lib.LeafLayout, leaf: Any, source: _Source) -> jax.Array:
+    sharding = NamedSharding(settings.mesh, stored.partition_spec)
+    return _place(source, stored, np.dtype(leaf.dtype), sharding)
+
+  placed = jax.tree.unflatten(
+    treedef,
+    [
+      place(stored, leaf, source)
+      for stored, (_, leaf), source in zip(plans.params.leaves, named, sources, strict=True)
+    ],
+  )
+  return stored_lib.wrap(plans.params, placed) if settings.stage.splits_params else placed
+
+
+def _name(path: tuple[Any, ...]) -> str:
+  return ".".join(str(spec_lib.key_name(key)) for key in path)
+
+
+#: A leaf is read in pieces of at most this many bytes (after its cast), each scattered into the
+#: shards it overlaps: the bound on what host memory holds beyond the shards themselves.
+PIECE_BYTES = 4 * 2**20
+
+
+def _place(
+  source: _Source, stored: layout_lib.LeafLayout, dtype: np.dtype, sharding: NamedSharding
+) -> jax.Array:
+  """The stored leaf, made of the shards this process's devices hold, each read from the files.
+
+  Shards that tile a box (adjacent shards, replicas) are filled in one pass
+  over it, a piece at a time; shards of the padded region beyond the logical
+  leaf stay zeros. Each is then put on its devices and dropped from host
+  memory before the next.
+  """
+  shape = stored.stored_shape
+  devices = {
+    device: _bounds(index, shape)
+    for device, index in sharding.addressable_devices_indices_map(shape).items()
+  }
+  shards = {region: np.zeros(_extent(region), stored.dtype) for region in devices.values()}
+  box = _tiled_box(set(shards))
+  itemsize = max(stored.dtype.itemsize, dtype.itemsize, source.tensors[0].dtype.itemsize)
+  for cover in [box] if box is not None else list(shards):
+    for piece in _pieces(_clipped(cover, stored.shape), PIECE_BYTES // itemsize):
+      values = source.read(tuple(slice(a, b) for a, b in piece))
+      values = values.astype(dtype, copy=False).astype(stored.dtype, copy=False)
+      for region, shard in shards.items():
+        _copy_overlap(values, piece, shard, region)
+  arrays, left = [], collections.Counter(devices.values())
+  for device, region in devices.items():
+    arrays.append(jax.device_put(shards[region], device))
+    left[region] -= 1
+    if not left[region]:
+      del shards[region]  # on its last device: not held twice
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+Bounds = tuple[tuple[int, int], ...]
+
+
+def _bounds(index: Any, shape: tuple[int, ...]) -> Bounds:
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _extent(bounds: Bounds) -> tuple[int, ...]:
+  return tuple(stop - start for start, stop in bounds)
+
+
+def _tiled_box(regions: set[Bounds]) -> Bounds | None:
+  """The box the (disjoint) ``regions`` tile exactly, or ``None`` if they leave gaps in it."""
+  ndim = len(next(iter(regions)))
+  box = tuple((min(r[d][0] for r in regions), max(r[d][1] for r in regions)) for d in range(ndim))
+  return box if math.prod(_extent(box)) == sum(math.prod(_extent(r)) for r in regions) else None
+
+
+def _clipped(bounds: Bounds, shape: tuple[int, ...]) -> Bounds:
+  """``bounds`` inside the logical ``shape`` (the padding cut off; maybe empty)."""
+  return tuple((min(a, n), min(b, n)) for (a, b), n in zip(bounds, shape, strict=True))
+
+
+def _pieces(box: Bounds, elements: int) -> Iterator[Bounds]:
+  """``box`` cut into boxes of at most ``elements`` (or one row of its last dimension)."""
+  sizes = _extent(box)
+  if not box:
+    yield box
+  if 0 in sizes or not box:
+    return
+  axis = next((d for d in range(len(box)) if math.prod(sizes[d + 1 :]) <= elements), len(box) - 1)
+  step = max(1, elements // math.prod(sizes[axis + 1 :]))
+  for outer in itertools.product(*(range(a, b) for a, b in box[:axis])):
+    start, stop = box[axis]
+    for first in range(start, stop, step):
+      cut = ((first, min(first + step, stop)),)
+      yield tuple((i, i + 1) for i in outer) + cut + box[axis + 1 :]
+
+
+def _copy_overlap(values: np.ndarray, piece: Bounds, shard: np.ndarray, region: Bounds) -> None:
+  """Copies where ``piece`` (holding ``values``) overlaps ``region`` (held by ``shard``)."""
+  overlap = [(max(p[0], r[0]), min(p[1], r[1])) for p, r in zip(piece, region, strict=True)]
+  if any(a >= b for a, b in overlap):
+    return
+  within = lambda origin: tuple(
+    slice(a - o[0], b - o[0]) for (a, b), o in zip(overlap, origin, strict=True)
+  )
+  shard[within(region)] = values[within(piece)]
+
+
+def _sources(
+  found: dict[str, tensor_files.FileTensor],
+  leaves: list[tuple[str, Any]],
+  keys: Mapping[str, KeyLike] | Callable[[str], KeyLike] | None,
+  paths: Any,
+) -> list[_Source]:
+  """Each leaf's tensors, checked against it; one error naming every leaf that does not fit."""
+  sources, problems = [], []
+  for name, leaf in leaves:
+    key = _key_of(name, keys)
+    names = [key.key] if isinstance(key.key, str) else list(key.key)
+    missing = [n for n in names if n not in found]
+    if missing:
+      problems.append(_missing(name, missing, found, keys))
+      sources.append(None)
+      continue
+    tensors = tuple(found[n] for n in names)
+    transpose = None if key.transpose is None else tuple(int(a) for a in key.transpose)
+    problem = _unfit(name, leaf, tensors, transpose, stacked=not isinstance(key.key, str))
+    if problem:
+      problems.append(problem)
+    sources.append(_Source(tensors, not isinstance(key.key, str), transpose))
+  if problems:
+    shown = "\n".join(f"  {line}" for line in problems[:20])
+    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    names = list(found)
+    held = (
+      f"The files hold {len(names)} tensors ({', '.join(names[:4])}{', ...' * (len(names) > 4)}). "
+    )
+    raise ValueError(
+      f"{len(problems)} of {len(leaves)} leaves do not fit the tensors in {_shown(paths)}:\n"
+      f"{shown}{more}\n{held}A leaf's name is its path in `like`, keys joined with '.'; pass "
+      "keys={leaf name: file name (or names to stack, or zerojax.FileKey(name, transpose=...))} "
+      "or a function of the leaf's name."
+    )
+  return sources
+
+
+def _key_of(name: str, keys: Any) -> FileKey:
+  if keys is None:
+    key = name
+  elif isinstance(keys, Mapping):
+    key = keys.get(name, name)
+  elif callable(keys):
+    key = keys(name)
+  else:
+    raise TypeError(
+      f"keys is a mapping or a function of a leaf's name, got {type(keys).__name__}; e.g. "
+      "keys={'blocks.kernel': ['h.0.weight', 'h.1.weight']} or keys=lambda name: ..."
+    )
+  if isinstance(key, FileKey):
+    return key
+  if isinstance(key, str) or (
+    isinstance(key, Sequence) and key and all(isinstance(k, str) for k in key)
+  ):
+    return FileKey(key)
+  raise TypeError(
+    f"keys gave {key!r} for leaf {name!r}: give a tensor's name, a non-empty sequence of "
+    "names (stacked along the leading dimension), or a zerojax.FileKey."
+  )
+
+
+def _missing(name: str, missing: list[str], found: dict[str, Any], keys: Any) -> str:
+  close = difflib.get_close_matches(missing[0], list(found), n=3, cutoff=0.5)
+  hint = f"; the closest there: {close}" if close else ""
+  given = "" if keys is None else " (from keys)"
+  what = f"tensor {missing[0]!r}" if len(missing) == 1 else f"tensors {missing[:3]}..."
+  return f"{name}: {what}{given} is not in the files{hint}"
+
+
+def _unfit(
+  name: str,
+  leaf: Any,
+  tensors: tuple[tensor_files.FileTensor, ...],
+  transpose: tuple[int, ...] | None,
+  stacked: bool,
+) -> str | None:
+  """What keeps ``tensors`` from being read into ``leaf``, or ``None``."""
+  first = tensors[0]
+  try:
+    dtypes = {t.dtype for t in tensors}
+  except ValueError as error:
+    return f"{name}: {error}"
+  if len(dtypes) > 1 or len({t.shape for t in tensors}) > 1:
+    return f"{name}: its stacked tensors differ in shape or dtype ({first.name!r}, ...)"
+  want = np.dtype(leaf.dtype)
+  if _kind(first.dtype) != _kind(want):
+    return (
+      f"{name}: tensor {first.name!r} is {first.dtype.name} and the leaf {want.name}; a "
+      f"{_kind(first.dtype)} tensor is not read into a {_kind(want)} leaf. Give the leaf the "
+      "file's kind of dtype in `like`."
+    )
+  if transpose is not None and sorted(transpose) != list(range(len(first.shape))):
+    return f"{name}: transpose={transpose} is not a permutation of {first.name!r}'s axes"
+  shape = _Source(tensors, stacked, transpose).shape
+  if shape == tuple(leaf.shape):
+    return None
+  fix = ""
+  if not stacked and transpose is None and tuple(reversed(first.shape)) == tuple(leaf.shape):
+    axes = tuple(reversed(range(len(first.shape))))
+    fix = f"; transposed it fits: zerojax.FileKey({first.name!r}, transpose={axes})"
+  elif not stacked and tuple(leaf.shape[1:]) == first.shape:
+    fix = f"; it fits one layer: give {leaf.shape[0]} names to stack, one per layer"
+  return f"{name}: tensor {first.name!r} gives shape {shape}, the leaf has {tuple(leaf.shape)}{fix}"
+
+
+def _kind(dtype: np.dtype) -> str:
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return "floating"
+  return "boolean" if dtype == np.bool_ else "integer"
+
+
+def _shown(paths: Any) -> str:
+  if isinstance(paths, (str, os.PathLike)):
+    return os.fspath(paths)
+  paths = [os.fspath(p) for p in paths]
+  return paths[0] if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more"

@@ -1,0 +1,304 @@
+"""safetensors files: their headers, HuggingFace's index, one region's bytes read, and writing.
+
+The format is an 8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and byte range, then the raw little-endian data, each
+tensor in row-major order. A slice is read with ``readinto`` into a buffer of
+its own size (or a bounded buffer of whole rows, for a slice of some columns),
+never through a memory map: the pages of a mapped file that a strided slice
+touches count in the process's resident memory (``ru_maxrss``), so a column
+slice through ``safetensors.safe_open(...).get_slice`` holds the whole tensor
+resident (benchmarks/loading.py measures it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+#: The dtypes of the format, by its names (little-endian, as it stores them).
+DTYPES: dict[str, np.dtype] = {
+  name: np.dtype(dtype).newbyteorder("<")
+  for name, dtype in {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+  }.items()
+}
+
+#: HuggingFace's name for the index of a model split over several files.
+INDEX_FILE = "model.safetensors.index.json"
+
+#: A slice of some columns is read in whole rows, this many bytes of them at a time.
+ROWS_BUFFER_BYTES = 4 * 2**20
+#: A row's part at least this long is read on its own (skipping the rest of the row on disk).
+MIN_SPAN_BYTES = 64 * 2**10
+#: Larger headers are not safetensors headers (the format's own limit is 100 MB).
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class FileTensor:
+  """One tensor of a safetensors file: where its bytes are, and what they hold.
+
+  Attributes:
+    path: the file.
+    name: its name in the file.
+    dtype_name: the format's name of its dtype (``"BF16"``, ``"F32"``, ...).
+    shape: its shape.
+    offset: where its data starts in the file, in bytes from the file's start.
+  """
+
+  path: str
+  name: str
+  dtype_name: str
+  shape: tuple[int, ...]
+  offset: int
+
+  @property
+  def dtype(self) -> np.dtype:
+    """Its numpy dtype (bfloat16 and float8 from ``ml_dtypes``).
+
+    Raises:
+      ValueError: for a dtype this reader does not know.
+    """
+    if self.dtype_name not in DTYPES:
+      raise ValueError(
+        f"tensor {self.name!r} in {self.path} is {self.dtype_name}, which zerojax cannot read; "
+        f"it reads {sorted(DTYPES)}. Convert the file, or leave the tensor out of the tree."
+      )
+    return DTYPES[self.dtype_name]
+
+  def read(self, index: Sequence[slice]) -> np.ndarray:
+    """The region ``index`` (one slice of step 1 per dimension) of this tensor, from disk.
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
+      >>> write(path, {"x": np.arange(12, dtype=np.float32).reshape(3, 4)})
+      >>> tensors(path)["x"].read((slice(1, 3), slice(2, 4))).tolist()
+      [[6.0, 7.0], [10.0, 11.0]]
+    """
+    index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+    region = [_bounds(s, n) for s, n in zip(index, self.shape, strict=True)]
+    out = np.empty([stop - start for start, stop in region], self.dtype)
+    if out.size:
+      with open(self.path, "rb", buffering=0) as file:
+        _read_region(file, self.offset, self.shape, region, out)
+    return out
+
+
+def _bounds(index: slice, size: int) -> tuple[int, int]:
+  start, stop, step = index.indices(size)
+  if step != 1:
+    raise ValueError(f"a region is read with slices of step 1, got {index}")
+  return start, max(start, stop)
+
+
+def _read_region(
+  file: io.FileIO, offset: int, shape: tuple[int, ...], region: list[tuple[int, int]], out: Any
+) -> None:
+  """Fills ``out`` with ``region`` of the row-major tensor of ``shape`` at ``offset``."""
+  if not shape:
+    _read_exactly(file, offset, out)
+    return
+  (start, stop), rest = region[0], region[1:]
+  row = math.prod(shape[1:]) * out.itemsize
+  if all(r == (0, n) for r, n in zip(rest, shape[1:], strict=True)):
+    _read_exactly(file, offset + start * row, out)  # contiguous: straight into the output
+    return
+  wanted = math.prod(b - a for a, b in rest) * out.itemsize
+  if row > ROWS_BUFFER_BYTES or wanted >= MIN_SPAN_BYTES:
+    for i in range(start, stop):
+      _read_region(file, offset + i * row, shape[1:], rest, out[i - start])
+    return
+  # Short parts of many rows: whole rows through a bounded buffer, one read each.
+  columns = tuple(slice(a, b) for a, b in rest)
+  rows_per_read = max(1, ROWS_BUFFER_BYTES // row)
+  for first in range(start, stop, rows_per_read):
+    count = min(rows_per_read, stop - first)
+    rows = np.empty((count, *shape[1:]), out.dtype)
+    _read_exactly(file, offset + first * row, rows)
+    out[first - start : first - start + count] = rows[(slice(None), *columns)]
+
+
+def _read_exactly(file: io.FileIO, offset: int, out: np.ndarray) -> None:
+  view = out.reshape(-1).view(np.uint8).data
+  file.seek(offset)
+  done = 0
+  while done < len(view):
+    count = file.readinto(view[done:])
+    if not count:
+      raise ValueError(
+        f"{file.name} ends before the tensor data its header promises: the file is truncated "
+        "(an interrupted download or copy?). Fetch it again."
+      )
+    done += count
+
+
+def tensors(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> dict[str, FileTensor]:
+  """Every tensor of the files, by name, from their headers (no tensor data is read).
+
+  Args:
+    paths: a ``.safetensors`` file; a HuggingFace index
+      (``model.safetensors.index.json``, whose ``weight_map`` names each
+      tensor's file); a directory holding an index, or else ``.safetensors``
+      files (all of them are read); or a sequence of these.
+
+  Returns:
+    ``{name: FileTensor}``.
+
+  Raises:
+    ValueError: for a path that is none of these, a file that is not in the
+      format, or a tensor name found in two files.
+
+  Example:
+    >>> import os, tempfile, numpy as np
+    >>> directory = tempfile.mkdtemp()
+    >>> write(os.path.join(directory, "a.safetensors"), {"x": np.zeros((2, 3), np.float32)})
+    >>> tensors(directory)["x"].shape
+    (2, 3)
+  """
+  if isinstance(paths, (str, os.PathLike)):
+    paths = [paths]
+  found: dict[str, FileTensor] = {}
+  for file in dict.fromkeys(f for path in paths for f in _files(Path(path))):
+    for name, tensor in _header(file).items():
+      if name in found:
+        raise ValueError(
+          f"tensor {name!r} is in both {found[name].path} and {tensor.path}: pass the files "
+          "of one model (or its index.json)."
+        )
+      found[name] = tensor
+  return found
+
+
+def _files(path: Path) -> list[str]:
+  """The ``.safetensors`` files that ``path`` stands for."""
+  if path.is_dir():
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if path.joinpath(INDEX_FILE).exists():
+      indexes = [path / INDEX_FILE]
+    if indexes:
+      return _files(indexes[0])
+    files = sorted(str(p) for p in path.glob("*.safetensors"))
+    if not files:
+      raise ValueError(f"{path} holds no .safetensors files (nor a {INDEX_FILE}).")
+    return files
+  if not path.exists():
+    raise ValueError(f"{path} does not exist: pass a .safetensors file, an index or a directory.")
+  if path.name.endswith(".json"):
+    try:
+      weight_map = json.loads(path.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError):
+      raise ValueError(
+        f"{path} is not a safetensors index: it has no JSON object with a 'weight_map' "
+        "naming each tensor's file."
+      ) from None
+    return [str(path.parent / name) for name in dict.fromkeys(weight_map.values())]
+  return [str(path)]
+
+
+def _header(path: str) -> dict[str, FileTensor]:
+  with open(path, "rb") as file:
+    length = int.from_bytes(file.read(8), "little")
+    file.seek(0, os.SEEK_END)
+    size = file.tell()
+    if not 2 <= length <= min(_MAX_HEADER_BYTES, size - 8):
+      raise ValueError(f"{path} is not a safetensors file (its first 8 bytes give no header).")
+    file.seek(8)
+    try:
+      header = json.loads(file.read(length))
+    except ValueError:
+      raise ValueError(f"{path} is not a safetensors file (its header is not JSON).") from None
+  start = 8 + length
+  found = {}
+  for name, entry in header.items():
+    if name == "__metadata__":
+      continue
+    begin, end = entry["data_offsets"]
+    tensor = FileTensor(path, name, entry["dtype"], tuple(entry["shape"]), start + begin)
+    itemsize = DTYPES[tensor.dtype_name].itemsize if tensor.dtype_name in DTYPES else None
+    if itemsize is not None and end - begin != math.prod(tensor.shape) * itemsize:
+      raise ValueError(
+        f"tensor {name!r} in {path} has {end - begin} bytes for shape {tensor.shape} of "
+        f"{tensor.dtype_name}: the file is damaged."
+      )
+    if start + end > size:
+      raise ValueError(
+        f"{path} ends before tensor {name!r}'s data: the file is truncated (an interrupted "
+        "download or copy?). Fetch it again."
+      )
+    found[name] = tensor
+  return found
+
+
+def header_bytes(tensors: dict[str, Any]) -> bytes:
+  """The start of a file of ``tensors`` (``{name: array or jax.ShapeDtypeStruct}``, in the order
+  their data follows): the header's length, then the header, padded so the data starts 8-byte
+  aligned.
+
+  Raises:
+    ValueError: for a dtype the format cannot hold.
+  """
+  names = {dtype: name for name, dtype in DTYPES.items()}
+  header, offset = {}, 0
+  for name, tensor in tensors.items():
+    dtype = np.dtype(tensor.dtype).newbyteorder("<")
+    if dtype not in names:
+      raise ValueError(
+        f"parameter {name} is {np.dtype(tensor.dtype).name}, which safetensors cannot hold; "
+        f"it holds {sorted(np.dtype(d).name for d in DTYPES.values())}."
+      )
+    size = math.prod(tensor.shape) * dtype.itemsize
+    header[name] = {
+      "dtype": names[dtype],
+      "shape": list(tensor.shape),
+      "data_offsets": [offset, offset + size],
+    }
+    offset += size
+  encoded = json.dumps(header, separators=(",", ":")).encode()
+  encoded += b" " * (-len(encoded) % 8)
+  return len(encoded).to_bytes(8, "little") + encoded
+
+
+def data_bytes(array: np.ndarray) -> memoryview:
+  """``array``'s data as the format stores it: C-contiguous, little-endian bytes."""
+  contiguous = np.ascontiguousarray(array, np.dtype(array.dtype).newbyteorder("<"))
+  return contiguous.reshape(-1).view(np.uint8).data
+
+
+def write(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
+  """Writes ``arrays`` to one ``.safetensors`` file, in order.
+
+  Example:
+    >>> import os, tempfile, numpy as np
+    >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
+    >>> write(path, {"x": np.ones(3, np.float32)})
+    >>> tensors(path)["x"].dtype_name
+    'F32'
+  """
+  with open(path, "wb") as file:
+    file.write(header_bytes(arrays))
+    for array in arrays.values():
+      file.write(data_bytes(array))
