@@ -79,8 +79,15 @@ class DevicelessTarget:
 
   @property
   def device_count(self) -> int:
-    """How many devices the topology has (in a process started as ``devices`` needs)."""
-    return len(self.devices())
+    """How many devices the topology has, read from its name (in any process).
+
+    Example:
+      >>> from zerojax.diagnostics import deviceless_target
+      >>> [deviceless_target(t).device_count for t in ("h100x128", "v5e-256", "2xv5e-16")]
+      [128, 256, 32]
+    """
+    shape = self.topology.rpartition(":")[2]
+    return math.prod(int(size) for size in shape.split("x")) * self.slices
 
   def devices(self) -> list[Any]:
     """The topology's devices, to compile for (never to run on).
