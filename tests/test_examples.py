@@ -157,9 +157,8 @@ def test_train_lm_evaluates_and_samples_on_stored_parameters_as_on_the_whole_mod
   import jax
   import optax
 
-  from examples.lm import configs
+  from examples.lm import configs, stages
   from examples.lm import model as lm_model
-  from examples.lm import stages
 
   mesh = jax.make_mesh(tuple(shape.values()), tuple(shape))
   preset = configs.PRESETS["tiny"]
