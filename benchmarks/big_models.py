@@ -1,21 +1,41 @@
-"""Models no chip holds: their init and evaluation programs, compiled for a TPU v5e 8 x 8.
+"""Models no device holds, compiled for the machines they need: init, train, evaluate, sample.
 
-The ZeRO paper's 7.5B model (56 layers of 4096 -> 16384 -> 4096, float32
-master weights, Adam) on 64 chips of 16 GiB, compiled deviceless (nothing
-runs): per chip, what each program needs.
+A 7.5B and a 70B transformer (``transformer.py``: Llama's shape, bfloat16
+compute, float32 master weights, AdamW) compiled deviceless (nothing runs) for
+the machines wave 5 names: the 7.5B model on a TPU v5e 8 x 8 (64 chips of 16
+GiB) and on 8 nodes of 8 H100 (80 GB), the 70B model on a v5e 16 x 16 (256
+chips) and on 16 nodes of 8 H100. For each, per device, what four programs
+need, zerojax's stage 3 next to GSPMD FSDP's (``jax.jit`` with
+``NamedSharding`` s, the compiler placing the gathers):
 
-* ``zero3 sharded_init``: ``tx.sharded_init(init_fn)``, the parameters and
-  Adam's state made straight into shards;
-* ``GSPMD FSDP init``: ``jax.jit(init, out_shardings=...)`` of the same
-  parameters and state placed as FSDP places them (MaxText's way), on a mesh of
-  ``Auto`` axes and of explicit ones;
-* ``zero3 forward``: ``zerojax.forward`` of the stack's per-example loss,
-  2048 tokens a chip, each layer gathered one ahead by ``zerojax.scan``;
-* ``evaluate on tx.gather``: the same loss on the whole model, gathered.
+* ``init``: ``tx.sharded_init(init_fn)``, the parameters and AdamW's state
+  made straight into shards, against ``jax.jit(init, out_shardings=...)``
+  (MaxText's way) on a mesh of ``Auto`` axes and of explicit ones;
+* ``train``: one step, ``zerojax.value_and_grad`` with the layers under
+  ``zerojax.scan``, against ``jax.value_and_grad`` over ``jax.lax.scan``,
+  each layer's ``jax.checkpoint`` saving nothing but its input; one sequence
+  of 2048 tokens a device;
+* ``evaluate``: each sequence's loss, ``zerojax.forward``, against the same
+  function under ``jax.jit`` and against ``tx.gather`` (the whole model);
+* ``sample``: one decoding step of one sequence a device with a KV cache of
+  2048 positions, ``zerojax.forward``, against ``jax.jit``.
 
-Run::
+Each row's "formula" is the ZeRO formula's bytes of model state a device
+holds, plus its share of the batch's KV cache when sampling: 12 bytes a
+parameter split N ways where the optimizer state is made or updated (float32
+parameters, which zerojax's stage 3 stores as the master copy and casts to
+bfloat16 as it gathers, and AdamW's two float32 moments), 4 where only the
+parameters are arguments. The gradients' shards (4 more bytes a parameter,
+N ways) are the train step's temporaries. "arguments", "outputs" and "temporaries" are
+``compiled.memory_analysis()``'s, "peak" XLA's own peak where the compiler
+reports one. A program that does not fit is refused by the compiler: its row
+says so.
 
-  python benchmarks/big_models.py --markdown docs/benchmarks.md
+Run (each machine compiles in a process of its own and is cached in
+``--cache``; about 10 minutes for all four on 2 cores)::
+
+  python benchmarks/big_models.py --markdown docs/big_models.md
+  python benchmarks/big_models.py --only 70B:v5e-256
 """
 
 from __future__ import annotations
@@ -25,14 +45,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import mlp
 import optax
 import report
+import transformer
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,119 +60,227 @@ import zerojax
 from zerojax.diagnostics import deviceless_environment, deviceless_mesh, deviceless_target
 
 GIB = 2**30
-TARGET = "v5e-64"
-CONFIG = mlp.MlpConfig(layers=56, d=4096, hidden=16384, tokens=2048 * 64)
+#: The (model, machine) pairs, as ``--only`` names them.
+RUNS = ("7.5B:v5e-64", "7.5B:h100x64", "70B:v5e-256", "70B:h100x128")
 SETUPS = (
-  "zero3 sharded_init",
-  "GSPMD FSDP init, Auto axes",
-  "GSPMD FSDP init, explicit axes",
-  "zero3 forward",
-  "evaluate on tx.gather",
+  ("init", "zero3 sharded_init"),
+  ("init", "GSPMD FSDP, Auto axes"),
+  ("init", "GSPMD FSDP, explicit axes"),
+  ("train", "zero3"),
+  ("train", "GSPMD FSDP"),
+  ("evaluate", "zero3 forward"),
+  ("evaluate", "GSPMD FSDP"),
+  ("evaluate", "on tx.gather"),
+  ("sample", "zero3 forward"),
+  ("sample", "GSPMD FSDP"),
 )
+AXIS = transformer.AXIS
 
 
-def init_fn(key: jax.Array) -> dict[str, jax.Array]:
-  """The stack's float32 parameters, drawn from ``key``."""
-  up, down = jax.random.split(key)
-  shapes = mlp.abstract_params(CONFIG)
-  return {
-    "up": jax.random.normal(up, shapes["up"].shape) * CONFIG.d**-0.5,
-    "down": jax.random.normal(down, shapes["down"].shape) * CONFIG.hidden**-0.5,
-  }
+class Programs:
+  """The four programs of ``config`` on ``target``'s devices, zerojax's and GSPMD FSDP's."""
 
+  def __init__(self, config: transformer.Config, target: str):
+    self.config = config
+    self.n = deviceless_target(target).device_count
+    self.mesh = deviceless_mesh(target, (self.n,), (AXIS,), (AxisType.Explicit,))
+    self.auto = deviceless_mesh(target, (self.n,), (AXIS,), (AxisType.Auto,))
+    self.tx = zerojax.zero3(optax.adamw(1e-4), mesh=self.mesh, precision="bf16")
+    # Whole parameters feed GSPMD's programs, whose mesh is of Auto axes.
+    self.auto_tx = zerojax.zero3(optax.adamw(1e-4), mesh=self.auto, precision="bf16")
+    self.init_fn = lambda key: transformer.init_fn(config, key)
+    self.full = transformer.abstract_params(config)
 
-def per_example_loss(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-  """Each row's mean square after the stack, its layers in bfloat16, one gathered at a time."""
-  layer = lambda h, w: (mlp.block(h, w, jnp.bfloat16), None)
-  h, _ = zerojax.scan(layer, x.astype(jnp.bfloat16), params)
-  return jnp.mean(h.astype(jnp.float32) ** 2, axis=-1)
+  def abstract(self, mesh, like: Any, spec: P) -> jax.ShapeDtypeStruct:
+    """An abstract array of ``like``'s shape and dtype, placed on ``mesh`` as ``spec`` says."""
+    return jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=NamedSharding(mesh, spec))
 
+  def batch(self, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """One sequence a device: tokens to train on, and a sampling step's inputs and cache."""
+    c, n = self.config, self.n
+    batch = {
+      "tokens": jax.ShapeDtypeStruct((n, c.seq_len + 1), jnp.int32),
+      "last": jax.ShapeDtypeStruct((n,), jnp.int32),
+      "position": jax.ShapeDtypeStruct((n,), jnp.int32),
+      **transformer.abstract_cache(c, n),
+    }
+    return {k: self.abstract(mesh, s, P(AXIS)) for k, s in batch.items()}
 
-def compile_one(name: str) -> dict[str, float | str]:
-  """The per-chip bytes of ``name``'s program, or why it does not compile (fit)."""
-  mesh = deviceless_mesh(TARGET, (64,), ("data",), (AxisType.Explicit,))
-  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
-  # Abstract only: nothing can be placed on the devices compiled for.
-  key_type = jax.eval_shape(lambda: jax.random.key(0))
-  key = jax.ShapeDtypeStruct((), key_type.dtype, sharding=NamedSharding(mesh, P()))
-  abstract = jax.eval_shape(init_fn, key_type)
-  x = jax.ShapeDtypeStruct(
-    (CONFIG.tokens, CONFIG.d), jnp.float32, sharding=NamedSharding(mesh, P("data"))
-  )
-  params = jax.tree.map(
-    lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-    jax.eval_shape(tx.shard, abstract),
-    tx.param_shardings(abstract),
-  )
-  try:
+  def key(self, mesh) -> jax.ShapeDtypeStruct:
+    return self.abstract(mesh, jax.eval_shape(lambda: jax.random.key(0)), P())
+
+  def stored(self, tx: zerojax.ZeroTransformation) -> tuple[Any, Any]:
+    """zerojax's parameters and optimizer state, abstract, as ``tx.sharded_init`` makes them."""
+    with jax.set_mesh(tx.mesh):
+      return jax.eval_shape(tx.sharded_init(self.init_fn), self.key(tx.mesh))
+
+  def fsdp(self) -> tuple[Any, Any]:
+    """GSPMD FSDP's float32 parameters and AdamW state, abstract, split as ``fsdp_specs`` says
+    (the moments as their parameters, the step count whole)."""
+    specs = transformer.fsdp_specs(self.config, AXIS)
+    params = jax.tree.map(lambda s, spec: self.abstract(self.auto, s, spec), self.full, specs)
+    # A moment's path ends in its parameter's (optax's tree_map_params would run init on arrays,
+    # and no array can be made here); the step count is whole.
+    by_keys = {
+      tuple(k.key for k in path): spec
+      for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+    }
+
+    def place(path: Any, s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+      keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+      return self.abstract(self.auto, s, by_keys.get(keys, P()) if s.ndim else P())
+
+    opt_state = jax.tree_util.tree_map_with_path(
+      place, jax.eval_shape(optax.adamw(1e-4).init, self.full)
+    )
+    return params, opt_state
+
+  def lower(self, program: str, setup: str) -> jax.stages.Lowered:
+    c = self.config
+    if program == "init":
+      if setup.startswith("zero3"):
+        with jax.set_mesh(self.mesh):
+          return self.tx.sharded_init(self.init_fn).lower(self.key(self.mesh))
+      return self._fsdp_init(AxisType.Auto if "Auto" in setup else AxisType.Explicit)
+    zero, gathered = setup.startswith("zero3"), setup == "on tx.gather"
+    mesh = self.mesh if zero else self.auto
+    batch = self.batch(mesh)
+    if zero:
+      params, opt_state = self.stored(self.tx)
+    elif gathered:  # on Auto axes the abstract outputs carry no sharding: ask for the stored one
+      shard, shardings = self.auto_tx.shard, self.auto_tx.param_shardings(self.full)
+      params = jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        jax.eval_shape(shard, self.full),
+        shardings,
+      )
+    else:
+      params, opt_state = self.fsdp()
     with jax.set_mesh(mesh):
-      if name == "zero3 sharded_init":
-        lowered = tx.sharded_init(init_fn).lower(key)
-      elif name.startswith("GSPMD FSDP init"):
-        lowered = fsdp_init(key_type, AxisType.Auto if "Auto" in name else AxisType.Explicit)
-      elif name == "zero3 forward":
-        lowered = jax.jit(zerojax.forward(per_example_loss, tx)).lower(params, x)
-      else:
-        evaluate = lambda params, x: per_example_loss(tx.gather(params), x)
-        lowered = jax.jit(evaluate).lower(params, x)
-      memory = lowered.compile().memory_analysis()
-  except Exception as error:  # XLA refuses a program that does not fit the chip
-    return {"error": str(error).splitlines()[0][:200]}
-  return {
-    "arguments": memory.argument_size_in_bytes / GIB,
-    "outputs": memory.output_size_in_bytes / GIB,
-    "temporaries": memory.temp_size_in_bytes / GIB,
-  }
+      if program == "train":
+        return jax.jit(self._train_step(zero), donate_argnums=(0, 1)).lower(
+          params, opt_state, batch["tokens"]
+        )
+      if program == "evaluate":
+        loss = lambda p, t: transformer.per_example_loss(c, p, t, zero)
+        if gathered:  # the whole model on every device, in the compute dtype
+          fn = lambda p, t: loss(self.auto_tx.gather(p), t)
+        else:
+          fn = zerojax.forward(loss, self.tx) if zero else loss
+        return jax.jit(fn).lower(params, batch["tokens"])
+      step = lambda p, t, k, v, at: transformer.decode(c, p, t, {"k": k, "v": v}, at, zero)
+      fn = zerojax.forward(step, self.tx) if zero else step
+      args = (batch["last"], batch["k"], batch["v"], batch["position"])
+      return jax.jit(fn, donate_argnums=(2, 3)).lower(params, *args)
+
+  def _train_step(self, zero: bool):
+    c = self.config
+    if zero:
+      grad_fn = zerojax.value_and_grad(transformer.mean_loss(c, True), self.tx)
+      tx = self.tx
+    else:
+      grad_fn, tx = jax.value_and_grad(transformer.mean_loss(c, False)), optax.adamw(1e-4)
+
+    def step(params, opt_state, tokens):
+      loss, grads = grad_fn(params, tokens)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+  def _fsdp_init(self, axis_type: AxisType) -> jax.stages.Lowered:
+    """``jax.jit(init, out_shardings=...)`` of the parameters and AdamW's state (on explicit
+    axes, values traced without a sharding are whole on every device)."""
+    mesh = self.auto if axis_type == AxisType.Auto else self.mesh
+    fresh = lambda key: (lambda p: (p, optax.adamw(1e-4).init(p)))(self.init_fn(key))
+    params, opt_state = self.fsdp()
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s.sharding.spec), (params, opt_state))
+    with jax.set_mesh(mesh):
+      return jax.jit(fresh, out_shardings=shardings).lower(self.key(mesh))
+
+  def formula(self, program: str, setup: str) -> float:
+    """The ZeRO paper's model-state bytes a device holds in ``program``, GiB."""
+    psi, n = self.config.parameters, self.n
+    state = 12 if program in ("init", "train") else 4
+    cache = sum(s.size * 2 for s in transformer.abstract_cache(self.config, n).values())
+    return (state * psi + (cache if program == "sample" else 0)) / n / GIB
 
 
-def fsdp_init(key_type: jax.ShapeDtypeStruct, axis_type: AxisType) -> jax.stages.Lowered:
-  """MaxText's way: ``jax.jit(init, out_shardings=...)``, the parameters and Adam's moments
-  split along their last dimension (on explicit axes, values traced without a sharding are
-  whole on every chip)."""
-  mesh = deviceless_mesh(TARGET, (64,), ("data",), (axis_type,))
-  fresh = lambda key: (lambda params: (params, optax.adam(1e-3).init(params)))(init_fn(key))
-  split = lambda s: NamedSharding(mesh, P(*[None] * (s.ndim - 1), "data") if s.ndim else P())
-  shardings = jax.tree.map(split, jax.eval_shape(fresh, key_type))
-  key = jax.ShapeDtypeStruct((), key_type.dtype, sharding=NamedSharding(mesh, P()))
-  with jax.set_mesh(mesh):
-    return jax.jit(fresh, out_shardings=shardings).lower(key)
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def compile_all(model: str, target: str) -> dict[str, dict[str, Any]]:
+  """Every setup's per-device bytes on ``target``, or the compiler's reason it does not fit."""
+  programs = Programs(transformer.CONFIGS[model], target)
+  results = {}
+  for program, setup in SETUPS:
+    row: dict[str, Any] = {"formula": programs.formula(program, setup)}
+    try:
+      memory = programs.lower(program, setup).compile().memory_analysis()
+    except Exception as error:  # XLA refuses a program that does not fit the device
+      row["error"] = str(error).splitlines()[0][:160]
+    else:
+      row |= {
+        "arguments": memory.argument_size_in_bytes / GIB,
+        "outputs": memory.output_size_in_bytes / GIB,
+        "temporaries": memory.temp_size_in_bytes / GIB,
+        "peak": getattr(memory, "peak_memory_in_bytes", 0) / GIB or None,
+      }
+    results[f"{program}: {setup}"] = row
+    print(f"{model} on {target}, {program}: {setup}: {row}", flush=True)
+  return results
+
+
+def run(name: str, cache: Path, again: bool) -> dict[str, dict[str, Any]]:
+  """``name``'s results, from ``cache`` or compiled in a process started for its machine."""
+  model, target = name.split(":")
+  path = cache / f"{model}-{target}.json"
+  if again or not path.exists():
+    cache.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **deviceless_environment(target, scheduler_log=False)}
+    command = [sys.executable, os.path.abspath(__file__), "--child", name, "--cache", str(cache)]
+    subprocess.run(command, env=env, check=True)
+  return json.loads(path.read_text())
+
+
+def section(name: str, results: dict[str, dict[str, Any]]) -> list[str]:
+  model, target = name.split(":")
+  config, machine = transformer.CONFIGS[model], deviceless_target(target)
+  hbm = machine.hbm_bytes / GIB
+  keys = ("formula", "arguments", "outputs", "temporaries", "peak")
+  cell = lambda row, k: f"{row[k]:.2f}" if row.get(k) is not None else "-"
+  rows = [
+    {"program": what, **{k: cell(row, k) for k in keys}, "note": row.get("error", "")}
+    for what, row in results.items()
+  ]
+  return report.section(
+    f"{config.parameters / 1e9:.1f}B parameters ({config.layers} layers, d {config.d}) on "
+    f"{target} ({machine.device_count} devices of {hbm:.0f} GiB), GiB per device",
+    report.table(rows, {k: (k, "") for k in ("program", *keys, "note")}),
+  )
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--child", help=argparse.SUPPRESS)
+  parser.add_argument("--only", action="append", choices=RUNS, help="one model:machine pair")
+  parser.add_argument("--cache", type=Path, default=Path("/tmp/zerojax-big-models"))
+  parser.add_argument("--again", action="store_true", help="compile even what is cached")
   report.add_output_flags(parser)
   args = parser.parse_args()
   if args.child:
-    results = {name: compile_one(name) for name in SETUPS}
-    Path(args.child).write_text(json.dumps(results))
+    model, target = args.child.split(":")
+    results = compile_all(model, target)
+    (args.cache / f"{model}-{target}.json").write_text(json.dumps(results, indent=1))
     return
   clock = report.Clock()
-  with tempfile.NamedTemporaryFile(suffix=".json") as out:
-    env = {**os.environ, **deviceless_environment(TARGET)}
-    command = [sys.executable, os.path.abspath(__file__), "--child", out.name]
-    subprocess.run(command, env=env, check=True)
-    results = json.loads(Path(out.name).read_text())
-  key_type = jax.eval_shape(lambda: jax.random.key(0))
-  psi = sum(s.size for s in jax.tree.leaves(jax.eval_shape(init_fn, key_type)))
-  hbm = deviceless_target(TARGET).hbm_bytes / GIB
-  keys = ("arguments", "outputs", "temporaries")
-  rows = [
-    {
-      "setup": name,
-      **{k: f"{r[k]:.2f}" if k in r else "-" for k in keys},
-      "note": r.get("error", ""),
-    }
-    for name, r in results.items()
-  ]
+  lines = []
+  for name in args.only or RUNS:
+    lines += section(name, run(name, args.cache, args.again))
   text = "\n".join(
     [
-      *report.section(
-        f"{psi / 1e9:.1f}B parameters on a TPU v5e 8 x 8 ({hbm:.0f} GiB a chip), GiB per chip",
-        f"ZeRO-3 with Adam, float32 parameters and state: 3 x 4 bytes a parameter, "
-        f"{12 * psi / 64 / GIB:.2f} GiB a chip once split 64 ways.",
-        report.table(rows, {k: (k, "") for k in ("setup", *keys, "note")}),
-      ),
+      *lines,
       report.accelerator_provenance(clock),
       "",
       *report.command("big_models.py", sys.argv[1:]),
@@ -160,8 +288,8 @@ def main() -> None:
   )
   print(text)
   if args.markdown:
-    begin = "<!-- results: big_models.py v5e-64 -->"
-    report.write_markdown(args.markdown, text, begin, "Benchmarks")
+    begin = "<!-- results: big_models.py -->"
+    report.write_markdown(args.markdown, text, begin, "Models bigger than a device")
 
 
 if __name__ == "__main__":
