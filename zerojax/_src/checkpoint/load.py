@@ -98,6 +98,7 @@ def load_safetensors(
   like: Any,
   *,
   keys: Mapping[str, KeyLike] | Callable[[str], KeyLike] | None = None,
+  init: bool = False,
 ) -> Any:
   """Reads parameters from safetensors files into ``tx``'s shards, as ``tx.shard`` places them.
 
@@ -114,6 +115,12 @@ def load_safetensors(
   Reads the files ``zerojax.export_safetensors`` writes (round trips are
   exact, onto any stage and device count) and HuggingFace's: one file, or a
   model split over several with a ``model.safetensors.index.json``.
+
+  To train from the loaded values, pass ``init=True`` for the optimizer state
+  too, made of the full-precision values as ``tx.init`` makes it: under a
+  precision policy with a lower compute dtype, stages 1 and 2 return the
+  parameters rounded to it (as ``tx.shard`` does), of which ``tx.init`` would
+  make a rounded master copy (and so refuses them).
 
   Args:
     paths: a ``.safetensors`` file, a HuggingFace index (``...index.json``), a
@@ -132,9 +139,16 @@ def load_safetensors(
       dimension (scanned layers), or a ``zerojax.FileKey`` (to transpose).
       ``None`` (the default): every leaf keeps its own name. Tensors that no
       leaf names are not read.
+    init: also make the optimizer state, and return ``(params, opt_state)``
+      as ``tx.sharded_init``'s function does: what ``tx.shard(full)`` and
+      ``tx.init(full)`` give for the full-precision parameters ``full`` in the
+      files. Each process then reads only the full-precision shards its
+      devices keep of the master copy (1/N of the file), and the parameters
+      replicated at stages 1 and 2 are gathered from them over the devices.
 
   Returns:
-    The parameters in ``like``'s structure, as ``tx.shard`` would return them.
+    The parameters in ``like``'s structure, as ``tx.shard`` would return them;
+    with ``init=True``, the pair ``(params, opt_state)``.
 
   Raises:
     ValueError: naming every leaf whose tensor is missing from the files (and
@@ -157,6 +171,16 @@ def load_safetensors(
     ((2, 4, 126), (2, 4, 1001))
     >>> tx.gather(params)["kernel"][1, 0, :3].tolist()
     [1.0, 1.0, 1.0]
+
+    Stage 2 with bfloat16 compute: the optimizer state (its float32 master
+    copy) made of the file's float32 values, not of the rounded parameters.
+
+    >>> write(path, {"w": np.full((8, 128), 1 + 2**-10, np.float32)})
+    >>> tx = zerojax.zero2(optax.adam(1e-3), mesh=tx.mesh, precision="bf16")
+    >>> like = {"w": jax.ShapeDtypeStruct((8, 128), jnp.float32)}
+    >>> params, opt_state = zerojax.load_safetensors(path, tx, like, init=True)
+    >>> params["w"].dtype, float(params["w"][0, 0]), float(tx.gather(opt_state.master)["w"][0, 0])
+    (dtype(bfloat16), 1.0, 1.0009765625)
   """
   optimizer = zero_lib.unwrap(tx)
   settings = optimizer.settings
@@ -166,6 +190,9 @@ def load_safetensors(
   found = tensor_files.tensors(paths)
   named, treedef = jax.tree_util.tree_flatten_with_path(logical)
   sources = _sources(found, [(_name(path), leaf) for path, leaf in named], keys, paths)
+  # The stored parameters, or with init=True the master copy: full precision, split as the
+  # optimizer state is (stage 3 stores it as the parameters).
+  layout = plans.sharded if init else plans.params
 
   def place(stored: layout_lib.LeafLayout, leaf: Any, source: _Source) -> jax.Array:
     sharding = NamedSharding(settings.mesh, stored.partition_spec)
@@ -175,10 +202,18 @@ def load_safetensors(
     treedef,
     [
       place(stored, leaf, source)
-      for stored, (_, leaf), source in zip(plans.params.leaves, named, sources, strict=True)
+      for stored, (_, leaf), source in zip(layout.leaves, named, sources, strict=True)
     ],
   )
-  return stored_lib.wrap(plans.params, placed) if settings.stage.splits_params else placed
+  if not init:
+    return stored_lib.wrap(layout, placed) if settings.stage.splits_params else placed
+  master = stored_lib.wrap(layout, placed)
+  opt_state = tx.init(master)
+  if settings.stage.splits_params and plans.master is None:
+    return master, opt_state  # stage 3 stores the master copy as its parameters
+  with jax.set_mesh(settings.mesh):
+    # Inside jit, where the replicated parameters are gathered from the shards.
+    return jax.jit(tx.shard)(master), opt_state
 
 
 def _name(path: tuple[Any, ...]) -> str:
