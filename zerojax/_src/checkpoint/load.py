@@ -321,7 +321,7 @@ def _sources(
     names = [key.key] if isinstance(key.key, str) else list(key.key)
     missing = [n for n in names if n not in found]
     if missing:
-      problems.append(_missing(name, missing, found, keys))
+      problems.append(_missing(name, missing, found, keys, [n for n, _ in leaves]))
       sources.append(None)
       continue
     tensors = tuple(found[n] for n in names)
@@ -358,22 +358,30 @@ def _key_of(name: str, keys: Any) -> FileKey:
       f"keys is a mapping or a function of a leaf's name, got {type(keys).__name__}; e.g. "
       "keys={'blocks.kernel': ['h.0.weight', 'h.1.weight']} or keys=lambda name: ..."
     )
-  if isinstance(key, FileKey):
-    return key
-  if isinstance(key, str) or (
-    isinstance(key, Sequence) and key and all(isinstance(k, str) for k in key)
+  names = key.key if isinstance(key, FileKey) else key
+  if isinstance(names, str) or (
+    isinstance(names, Sequence) and names and all(isinstance(k, str) for k in names)
   ):
-    return FileKey(key)
+    return key if isinstance(key, FileKey) else FileKey(key)
   raise TypeError(
     f"keys gave {key!r} for leaf {name!r}: give a tensor's name, a non-empty sequence of "
     "names (stacked along the leading dimension), or a zerojax.FileKey."
   )
 
 
-def _missing(name: str, missing: list[str], found: dict[str, Any], keys: Any) -> str:
+def _missing(
+  name: str, missing: list[str], found: dict[str, Any], keys: Any, leaves: list[str]
+) -> str:
   close = difflib.get_close_matches(missing[0], list(found), n=3, cutoff=0.5)
   hint = f"; the closest there: {close}" if close else ""
-  given = "" if keys is None else " (from keys)"
+  mapped = keys is not None and (not isinstance(keys, Mapping) or name in keys)
+  if isinstance(keys, Mapping) and not mapped:
+    # A leaf that keeps its own name because keys misspells it.
+    strays = [k for k in keys if k not in set(leaves)]
+    stray = difflib.get_close_matches(name, strays, n=1, cutoff=0.5)
+    if stray:
+      hint += f"; keys maps {stray[0]!r}, which names no leaf (did you mean {name!r}?)"
+  given = " (from keys)" if mapped else ""
   what = f"tensor {missing[0]!r}" if len(missing) == 1 else f"tensors {missing[:3]}..."
   return f"{name}: {what}{given} is not in the files{hint}"
 
@@ -392,23 +400,38 @@ def _unfit(
   except ValueError as error:
     return f"{name}: {error}"
   if len(dtypes) > 1 or len({t.shape for t in tensors}) > 1:
-    return f"{name}: its stacked tensors differ in shape or dtype ({first.name!r}, ...)"
+    other = next(t for t in tensors if (t.dtype, t.shape) != (first.dtype, first.shape))
+    return (
+      f"{name}: the tensors stacked into it differ: {first.name!r} is {first.dtype_name} "
+      f"{first.shape}, {other.name!r} {other.dtype_name} {other.shape}. Stack one tensor per "
+      "layer, each of a layer's shape."
+    )
   want = np.dtype(leaf.dtype)
   if _kind(first.dtype) != _kind(want):
+    kind = _kind(first.dtype)
     return (
-      f"{name}: tensor {first.name!r} is {first.dtype.name} and the leaf {want.name}; a "
-      f"{_kind(first.dtype)} tensor is not read into a {_kind(want)} leaf. Give the leaf the "
-      "file's kind of dtype in `like`."
+      f"{name}: tensor {first.name!r} is {first.dtype.name} and the leaf {want.name}; "
+      f"{'an' if kind == 'integer' else 'a'} {kind} tensor is not read into a {_kind(want)} "
+      "leaf. Give the leaf the file's kind of dtype in `like`."
     )
   if transpose is not None and sorted(transpose) != list(range(len(first.shape))):
-    return f"{name}: transpose={transpose} is not a permutation of {first.name!r}'s axes"
+    return (
+      f"{name}: transpose={transpose} is not a permutation of the axes of {first.name!r}, "
+      f"{tuple(range(len(first.shape)))}"
+    )
   shape = _Source(tensors, stacked, transpose).shape
   if shape == tuple(leaf.shape):
     return None
   fix = ""
-  if not stacked and transpose is None and tuple(reversed(first.shape)) == tuple(leaf.shape):
-    axes = tuple(reversed(range(len(first.shape))))
+  axes = tuple(reversed(range(len(first.shape))))
+  reversed_shape = tuple(reversed(first.shape))
+  if not stacked and transpose is None and reversed_shape == tuple(leaf.shape):
     fix = f"; transposed it fits: zerojax.FileKey({first.name!r}, transpose={axes})"
+  elif stacked and transpose is None and reversed_shape == tuple(leaf.shape[1:]):
+    fix = (
+      f"; each layer transposed it fits: zerojax.FileKey(names, transpose={axes}), with the "
+      f"{len(tensors)} names"
+    )
   elif not stacked and tuple(leaf.shape[1:]) == first.shape:
     fix = f"; it fits one layer: give {leaf.shape[0]} names to stack, one per layer"
   return f"{name}: tensor {first.name!r} gives shape {shape}, the leaf has {tuple(leaf.shape)}{fix}"

@@ -189,7 +189,7 @@ def _read_exactly(file: io.FileIO, offset: int, dest: np.ndarray) -> None:
 
 def _truncated(path: str, name: str) -> ValueError:
   return ValueError(
-    f"{path} ends before tensor {name!r}'s data: the file is truncated (an interrupted "
+    f"{path} ends before the data of tensor {name!r}: the file is truncated (an interrupted "
     "download or copy?). Fetch it again."
   )
 
@@ -253,7 +253,15 @@ def _files(path: Path) -> list[str]:
         f"{path} is not a safetensors index: it has no JSON object with a 'weight_map' "
         "naming each tensor's file."
       ) from None
-    return [str(path.parent / name) for name in dict.fromkeys(weight_map.values())]
+    files = [str(path.parent / name) for name in dict.fromkeys(weight_map.values())]
+    absent = [f for f in files if not os.path.exists(f)]
+    if absent:
+      raise ValueError(
+        f"{path} names {len(files)} files, and {os.path.basename(absent[0])} of them is not "
+        f"beside it{f' (nor {len(absent) - 1} more)' * (len(absent) > 1)}: download every file "
+        "the index names into its directory."
+      )
+    return files
   return [str(path)]
 
 
@@ -267,17 +275,18 @@ def _header(path: str) -> dict[str, FileTensor]:
     file.seek(8)
     try:
       header = json.loads(file.read(length))
-    except ValueError:
-      raise ValueError(f"{path} is not a safetensors file (its header is not JSON).") from None
+      entries = {name: _entry(entry) for name, entry in header.items() if name != "__metadata__"}
+    except (ValueError, TypeError, KeyError, AttributeError):
+      raise ValueError(
+        f"{path} is not a safetensors file (its header is not a JSON object giving each "
+        "tensor's dtype, shape and data_offsets)."
+      ) from None
   start = 8 + length
   found = {}
-  for name, entry in header.items():
-    if name == "__metadata__":
-      continue
-    begin, end = entry["data_offsets"]
-    tensor = FileTensor(path, name, entry["dtype"], tuple(entry["shape"]), start + begin)
+  for name, (dtype_name, shape, begin, end) in entries.items():
+    tensor = FileTensor(path, name, dtype_name, shape, start + begin)
     itemsize = DTYPES[tensor.dtype_name].itemsize if tensor.dtype_name in DTYPES else None
-    if itemsize is not None and end - begin != math.prod(tensor.shape) * itemsize:
+    if begin < 0 or (itemsize is not None and end - begin != math.prod(tensor.shape) * itemsize):
       raise ValueError(
         f"tensor {name!r} in {path} has {end - begin} bytes for shape {tensor.shape} of "
         f"{tensor.dtype_name}: the file is damaged."
@@ -286,6 +295,12 @@ def _header(path: str) -> dict[str, FileTensor]:
       raise _truncated(path, name)
     found[name] = tensor
   return found
+
+
+def _entry(entry: Any) -> tuple[str, tuple[int, ...], int, int]:
+  """A header's entry for a tensor: its dtype's name, shape, and where its data begins and ends."""
+  begin, end = entry["data_offsets"]
+  return str(entry["dtype"]), tuple(int(n) for n in entry["shape"]), int(begin), int(end)
 
 
 def header_bytes(tensors: dict[str, Any]) -> bytes:
