@@ -358,11 +358,11 @@ def _key_of(name: str, keys: Any) -> FileKey:
       f"keys is a mapping or a function of a leaf's name, got {type(keys).__name__}; e.g. "
       "keys={'blocks.kernel': ['h.0.weight', 'h.1.weight']} or keys=lambda name: ..."
     )
-  names = key.key if isinstance(key, FileKey) else key
+  names: Any = key.key if isinstance(key, FileKey) else key
   if isinstance(names, str) or (
     isinstance(names, Sequence) and names and all(isinstance(k, str) for k in names)
   ):
-    return key if isinstance(key, FileKey) else FileKey(key)
+    return key if isinstance(key, FileKey) else FileKey(names)
   raise TypeError(
     f"keys gave {key!r} for leaf {name!r}: give a tensor's name, a non-empty sequence of "
     "names (stacked along the leading dimension), or a zerojax.FileKey."
