@@ -108,6 +108,12 @@ def main(directory: Path) -> None:
   wide = zerojax.load_safetensors(path, tx, {"wide": model_like()["wide"]})["wide"]
   wide_read = bytes_read() - read_before
   wide_held = sum(shard.data.nbytes for shard in wide.value.addressable_shards)
+  # Stage 2 replicates its bf16 parameters; with init=True each process reads only its half of
+  # the float32 master copy, and the parameters are gathered from it.
+  tx = zerojax.zero2(optax.adam(1e-3), mesh=mesh, precision="bf16")
+  read_before = bytes_read()
+  zerojax.load_safetensors(path, tx, {"mlp.0": model_like()["mlp.0"]}, init=True)
+  init_read = bytes_read() - read_before
 
   report = {
     "file_mib": path.stat().st_size / 2**20,
@@ -115,6 +121,7 @@ def main(directory: Path) -> None:
     "read_mib": read / 2**20,
     "wide_read_mib": wide_read / 2**20,
     "wide_held_mib": wide_held / 2**20,
+    "init_read_mib": init_read / 2**20,
     "growth_mib": peak - before,
     "exact": bool(exact),
     "layers_read": sorted(set(reads)),

@@ -38,6 +38,8 @@ def test_each_process_reads_and_holds_only_its_half(tmp_path):
     # reading whole rows reads the leaf whole.
     assert report["wide_held_mib"] == 4, report
     assert 4 <= report["wide_read_mib"] < 4.01, report
+    # Stage 2 with init=True: its half of an 8 MiB leaf's master copy, not the whole leaf.
+    assert 4 <= report["init_read_mib"] < 4.01, report
     # Its own bytes (and the padded leaf's), each read once.
     assert report["read_mib"] < report["held_mib"] + 0.1, report
     # Layers split over a "stage" axis whose entries are the processes: only its own are read.
