@@ -155,7 +155,10 @@ def load_safetensors(
       the closest names there), whose shape differs from ``like``'s (and the
       ``FileKey`` that would fit, if a transpose or a stack would), or whose
       dtype cannot become the leaf's (a float tensor for an integer leaf, or
-      a dtype zerojax cannot read); or for a path that is not safetensors.
+      a dtype zerojax cannot read); or for a path that is not safetensors, or
+      a file that is damaged or truncated.
+    TypeError: for ``keys`` that is neither a mapping nor a function, or that
+      gives a leaf something other than names or a ``zerojax.FileKey``.
 
   Example:
     >>> import os, tempfile, jax, jax.numpy as jnp, ml_dtypes, numpy as np, optax, zerojax
@@ -377,7 +380,8 @@ def _missing(
   mapped = keys is not None and (not isinstance(keys, Mapping) or name in keys)
   if isinstance(keys, Mapping) and not mapped:
     # A leaf that keeps its own name because keys misspells it.
-    strays = [k for k in keys if k not in set(leaves)]
+    known = set(leaves)
+    strays = [k for k in keys if k not in known]
     stray = difflib.get_close_matches(name, strays, n=1, cutoff=0.5)
     if stray:
       hint += f"; keys maps {stray[0]!r}, which names no leaf (did you mean {name!r}?)"
