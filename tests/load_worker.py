@@ -28,12 +28,12 @@ LAYERS = 4
 
 def write_model(path: Path) -> None:
   """128 MiB in sixteen 8 MiB leaves: one split over columns (each process's half of a row,
-  64 KiB, is read alone), fourteen split over rows, stacked layers from four tensors; and one
-  padded at stage 3 (1009 is prime)."""
+  16 KiB, is 16 KiB from the next row's), fourteen split over rows, stacked layers from four
+  tensors; and one padded at stage 3 (1009 is prime)."""
   rng = np.random.default_rng(0)
   normal = lambda *shape: rng.standard_normal(shape, np.float32)
   arrays = {
-    "wide": normal(64, 32768),
+    "wide": normal(256, 8192),
     **{f"mlp.{k}": normal(2, 1024, 1024) for k in range(14)},
     **{f"layers.{i}": normal(512, 1024) for i in range(LAYERS)},
     "odd": normal(3, 1009),
@@ -44,7 +44,7 @@ def write_model(path: Path) -> None:
 def model_like() -> dict[str, jax.ShapeDtypeStruct]:
   struct = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)
   return {
-    "wide": struct(64, 32768),
+    "wide": struct(256, 8192),
     **{f"mlp.{k}": struct(2, 1024, 1024) for k in range(14)},
     "layers": struct(LAYERS, 512, 1024),
     "odd": struct(3, 1009),
@@ -103,11 +103,25 @@ def main(directory: Path) -> None:
   }
   zerojax.load_safetensors(path, zerojax.zero3(optax.adam(1e-3), mesh=staged), structs, keys=KEYS)
   tensor_files.FileTensor.read = original
+  # The leaf split over columns alone: its half of each row, and not the other half.
+  read_before = bytes_read()
+  wide = zerojax.load_safetensors(path, tx, {"wide": model_like()["wide"]})["wide"]
+  wide_read = bytes_read() - read_before
+  wide_held = sum(shard.data.nbytes for shard in wide.value.addressable_shards)
+  # Stage 2 replicates its bf16 parameters; with init=True each process reads only its half of
+  # the float32 master copy, and the parameters are gathered from it.
+  tx = zerojax.zero2(optax.adam(1e-3), mesh=mesh, precision="bf16")
+  read_before = bytes_read()
+  zerojax.load_safetensors(path, tx, {"mlp.0": model_like()["mlp.0"]}, init=True)
+  init_read = bytes_read() - read_before
 
   report = {
     "file_mib": path.stat().st_size / 2**20,
     "held_mib": held / 2**20,
     "read_mib": read / 2**20,
+    "wide_read_mib": wide_read / 2**20,
+    "wide_held_mib": wide_held / 2**20,
+    "init_read_mib": init_read / 2**20,
     "growth_mib": peak - before,
     "exact": bool(exact),
     "layers_read": sorted(set(reads)),

@@ -5,6 +5,7 @@ so the table and the tests cannot drift apart; so are the mistakes that give
 the right answer anyway, by the first column of the table after it.
 """
 
+import json
 import pathlib
 import re
 import tempfile
@@ -18,6 +19,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from safetensors.numpy import save_file
 
 import zerojax
 import zerojax.flax.linen
@@ -225,6 +227,155 @@ def load_params_of_one_step_s_directory(types):
     with zerojax.CheckpointManager(directory, spec) as manager:
       manager.save(1, {"params": _w(tx), "opt_state": tx.init(_w(tx))})
     zerojax.load_params(pathlib.Path(directory) / "1")
+
+
+#: A model as HuggingFace keeps it: an embedding, two layers' Linear weights (out, in), a count.
+_MODEL = {
+  "wte.weight": np.ones((16, 8), np.float32),
+  **{f"h.{i}.weight": np.ones((8, 4), np.float32) for i in range(2)},
+  "steps": np.zeros(3, np.int32),
+}
+
+
+def _load_files(types, like, keys=None, write=None):
+  """``zerojax.load_safetensors`` at stage 3 of ``like`` (``{leaf: shape}`` of float32, or
+  ``jax.ShapeDtypeStruct`` s) from ``_MODEL`` saved in a temporary directory, or from the path
+  ``write(directory)`` returns."""
+  tx = zerojax.zero3(optax.adam(0.1), mesh=_mesh(types))
+  structs = {
+    name: s if isinstance(s, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(s, jnp.float32)
+    for name, s in like.items()
+  }
+  with tempfile.TemporaryDirectory() as directory:
+    directory = pathlib.Path(directory)
+    if write is None:
+      save_file(_MODEL, str(directory / "model.safetensors"))
+    path = directory / "model.safetensors" if write is None else write(directory)
+    zerojax.load_safetensors(path, tx, structs, keys=keys)
+
+
+def _raw_file(directory, header, data):
+  """A file of the format with the ``header`` given as it is."""
+  encoded = json.dumps(header).encode()
+  path = directory / "model.safetensors"
+  path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+  return path
+
+
+def load_keys_as_a_list(types):
+  _load_files(types, {"embed": (16, 8)}, keys=["wte.weight"])
+
+
+def load_keys_giving_a_number(types):
+  _load_files(types, {"embed": (16, 8)}, keys=lambda name: 3)
+
+
+def load_a_misspelt_tensor_name(types):
+  _load_files(types, {"embed": (16, 8)}, keys={"embed": "wte.weights"})
+
+
+def load_keys_of_a_misspelt_leaf(types):
+  _load_files(types, {"embed": (16, 8)}, keys={"embd": "wte.weight"})
+
+
+def load_another_shape(types):
+  _load_files(types, {"embed": (16, 4)}, keys={"embed": "wte.weight"})
+
+
+def load_a_linear_weight_untransposed(types):
+  _load_files(types, {"kernel": (4, 8)}, keys={"kernel": "h.0.weight"})
+
+
+def load_stacked_linear_weights_untransposed(types):
+  _load_files(types, {"kernel": (2, 4, 8)}, keys={"kernel": ["h.0.weight", "h.1.weight"]})
+
+
+def load_one_layer_into_a_stack(types):
+  _load_files(types, {"kernel": (2, 8, 4)}, keys={"kernel": "h.0.weight"})
+
+
+def load_a_stack_of_unlike_tensors(types):
+  _load_files(types, {"kernel": (2, 8, 4)}, keys={"kernel": ["h.0.weight", "wte.weight"]})
+
+
+def load_a_transpose_that_is_no_permutation(types):
+  key = zerojax.FileKey("h.0.weight", transpose=(0, 0))
+  _load_files(types, {"kernel": (8, 4)}, keys={"kernel": key})
+
+
+def load_integers_into_a_float_leaf(types):
+  _load_files(types, {"count": (3,)}, keys={"count": "steps"})
+
+
+def load_an_unknown_dtype(types):
+  header = {"w": {"dtype": "C64", "shape": [2], "data_offsets": [0, 16]}}
+  _load_files(types, {"w": (2,)}, write=lambda directory: _raw_file(directory, header, bytes(16)))
+
+
+def load_a_missing_path(types):
+  _load_files(types, {"w": (4,)}, write=lambda directory: directory / "missing.safetensors")
+
+
+def load_an_empty_directory(types):
+  _load_files(types, {"w": (4,)}, write=lambda directory: directory)
+
+
+def _index(directory, text):
+  (directory / "model.safetensors.index.json").write_text(text)
+  return directory / "model.safetensors.index.json"
+
+
+def load_an_index_without_a_weight_map(types):
+  _load_files(types, {"w": (4,)}, write=lambda directory: _index(directory, '{"metadata": {}}'))
+
+
+def load_an_index_whose_files_are_not_all_there(types):
+  def write(directory):
+    save_file({"w": np.ones(4, np.float32)}, str(directory / "model-00001-of-00002.safetensors"))
+    files = {"w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"}
+    return _index(directory, json.dumps({"weight_map": files}))
+
+  _load_files(types, {"w": (4,)}, write=write)
+
+
+def load_a_pytorch_file(types):
+  def write(directory):
+    (directory / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + bytes(60))  # a zip archive
+    return directory / "pytorch_model.bin"
+
+  _load_files(types, {"w": (4,)}, write=write)
+
+
+def load_a_header_that_is_not_json(types):
+  def write(directory):
+    (directory / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"not json")
+    return directory / "model.safetensors"
+
+  _load_files(types, {"w": (4,)}, write=write)
+
+
+def load_a_damaged_file(types):
+  header = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}
+  _load_files(types, {"w": (4,)}, write=lambda directory: _raw_file(directory, header, bytes(12)))
+
+
+def load_a_truncated_file(types):
+  def write(directory):
+    save_file({"w": np.ones(4, np.float32)}, str(directory / "model.safetensors"))
+    data = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(data[:-8])
+    return directory / "model.safetensors"
+
+  _load_files(types, {"w": (4,)}, write=write)
+
+
+def load_the_files_of_two_models(types):
+  def write(directory):
+    for name in ("a", "b"):
+      save_file(_MODEL, str(directory / f"{name}.safetensors"))
+    return directory
+
+  _load_files(types, {"embed": (16, 8)}, keys={"embed": "wte.weight"}, write=write)
 
 
 def devices_not_whole(types):
@@ -479,6 +630,53 @@ CASES = {
   ),
   "FileNotFoundError: no checkpoints in ... it is itself a checkpoint, step 1 of ...; pass": (
     load_params_of_one_step_s_directory
+  ),
+  "TypeError: keys is a mapping or a function of a leaf's name, got list": load_keys_as_a_list,
+  "TypeError: keys gave 3 for leaf 'embed': give a tensor's name, a non-empty sequence of names": (
+    load_keys_giving_a_number
+  ),
+  "1 of 1 leaves do not fit the tensors in ... embed: tensor 'wte.weights' (from keys) is not in "
+  "the files; the closest there: ['wte.weight', ...": load_a_misspelt_tensor_name,
+  "embed: tensor 'embed' is not in the files ... keys maps 'embd', which names no leaf (did you "
+  "mean 'embed'?)": load_keys_of_a_misspelt_leaf,
+  "embed: tensor 'wte.weight' gives shape (16, 8), the leaf has (16, 4)": load_another_shape,
+  "kernel: tensor 'h.0.weight' gives shape (8, 4), the leaf has (4, 8); transposed it fits: "
+  "zerojax.FileKey('h.0.weight', transpose=(1, 0))": load_a_linear_weight_untransposed,
+  "kernel: tensor 'h.0.weight' gives shape (2, 8, 4), the leaf has (2, 4, 8); each layer "
+  "transposed it fits: zerojax.FileKey(names, transpose=(1, 0)), with the 2 names": (
+    load_stacked_linear_weights_untransposed
+  ),
+  "kernel: tensor 'h.0.weight' gives shape (8, 4), the leaf has (2, 8, 4); it fits one layer: "
+  "give 2 names to stack, one per layer": load_one_layer_into_a_stack,
+  "kernel: the tensors stacked into it differ: 'h.0.weight' is F32 (8, 4), 'wte.weight' F32 "
+  "(16, 8)": load_a_stack_of_unlike_tensors,
+  "kernel: transpose=(0, 0) is not a permutation of the axes of 'h.0.weight', (0, 1)": (
+    load_a_transpose_that_is_no_permutation
+  ),
+  "count: tensor 'steps' is int32 and the leaf float32; an integer tensor is not read into a "
+  "floating leaf": load_integers_into_a_float_leaf,
+  "tensor 'w' in ... is C64, which zerojax cannot read": load_an_unknown_dtype,
+  "missing.safetensors does not exist: pass a .safetensors file, an index or a directory": (
+    load_a_missing_path
+  ),
+  "holds no .safetensors files (nor a model.safetensors.index.json)": load_an_empty_directory,
+  "is not a safetensors index: it has no JSON object with a 'weight_map'": (
+    load_an_index_without_a_weight_map
+  ),
+  "names 2 files, and model-00002-of-00002.safetensors of them is not beside it": (
+    load_an_index_whose_files_are_not_all_there
+  ),
+  "pytorch_model.bin is not a safetensors file (its first 8 bytes give no header)": (
+    load_a_pytorch_file
+  ),
+  "is not a safetensors file (its header is not a JSON object giving each tensor's dtype, shape "
+  "and data_offsets)": load_a_header_that_is_not_json,
+  "tensor 'w' in ... has 12 bytes for shape (4,) of F32: the file is damaged": load_a_damaged_file,
+  "ends before the data of tensor 'w': the file is truncated (an interrupted download or copy?)": (
+    load_a_truncated_file
+  ),
+  "tensor 'h.0.weight' is in both ... and ...: pass the files of one model (or its index.json)": (
+    load_the_files_of_two_models
   ),
   "num_devices must be a whole number, at least 1, got 8.5": devices_not_whole,
   "TypeError: the collectives are read from a compiled program, got a lowered program: pass "

@@ -200,6 +200,7 @@ PRINTING_PAGES = {
   "guide.md": "blocks",
   "flax.md": "blocks",
   "checkpoints.md": "page",
+  "loading.md": "blocks",
   "accounting.md": "page",
   "performance.md": "blocks",
   "multiprocess.md": "blocks",

@@ -138,6 +138,22 @@ def test_a_bfloat16_file_loads_exactly(tmp_path, stage, precision):
   assert_placed_as(loaded, tx.shard(full))
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+@pytest.mark.parametrize(("stage", "precision"), [(1, "bf16"), (2, "bf16"), (3, "bf16"), (2, None)])
+def test_init_makes_the_optimizer_state_of_the_full_precision_values(
+  huggingface_files, stage, precision, axis_type
+):
+  # Stages 1 and 2 under bf16 compute store the parameters rounded and keep the float32 master
+  # copy apart, in the optimizer state: it holds the file's values, as tx.init(full) makes it.
+  tx = STAGES[stage](optax.adam(1e-3), mesh=mesh_of(8, axis_type), precision=precision)
+  full = full_params()
+  params, opt_state = zerojax.load_safetensors(
+    huggingface_files, tx, like(full), keys=huggingface_keys, init=True
+  )
+  assert_placed_as(params, tx.shard(full))
+  assert_placed_as(opt_state, tx.init(full))
+
+
 def test_leaves_placed_on_another_axis_load_as_shard_places_them(huggingface_files):
   # Layers split over a "stage" axis, as a pipeline places them: the data axis joins on another
   # dimension. (tests/load_worker.py checks that each process then reads only its own layers.)
@@ -153,6 +169,13 @@ def test_leaves_placed_on_another_axis_load_as_shard_places_them(huggingface_fil
   placed = {**full, "blocks": jax.device_put(full["blocks"], staged)}
   assert_placed_as(loaded, tx.shard(placed))
   assert loaded["blocks"]["kernel"].sharding.spec == P("stage", None, "data")
+  # The master copy kept apart at stage 2 is on the stage axis too.
+  tx = zerojax.zero2(optax.adam(1e-3), mesh=mesh, precision="bf16")
+  loaded = zerojax.load_safetensors(
+    huggingface_files, tx, structs, keys=huggingface_keys, init=True
+  )
+  assert_placed_as(loaded, (tx.shard(placed), tx.init(placed)))
+  assert loaded[1].master["blocks"]["kernel"].sharding.spec == P("stage", None, "data")
 
 
 def test_a_round_trip_through_export_is_exact_onto_another_stage_and_device_count(tmp_path):

@@ -34,6 +34,12 @@ def test_each_process_reads_and_holds_only_its_half(tmp_path):
     # Its half (on CPU, where the devices' memory is the process's), plus a leaf's share and
     # the runtime's buffers: measured about 0.65 of the file; reading the file whole is >= 1.
     assert report["growth_mib"] < 0.75 * report["file_mib"], report
+    # A leaf split over columns: its half of each row alone (the file's header aside), where
+    # reading whole rows reads the leaf whole.
+    assert report["wide_held_mib"] == 4, report
+    assert 4 <= report["wide_read_mib"] < 4.01, report
+    # Stage 2 with init=True: its half of an 8 MiB leaf's master copy, not the whole leaf.
+    assert 4 <= report["init_read_mib"] < 4.01, report
     # Its own bytes (and the padded leaf's), each read once.
     assert report["read_mib"] < report["held_mib"] + 0.1, report
     # Layers split over a "stage" axis whose entries are the processes: only its own are read.

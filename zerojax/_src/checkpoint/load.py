@@ -98,6 +98,7 @@ def load_safetensors(
   like: Any,
   *,
   keys: Mapping[str, KeyLike] | Callable[[str], KeyLike] | None = None,
+  init: bool = False,
 ) -> Any:
   """Reads parameters from safetensors files into ``tx``'s shards, as ``tx.shard`` places them.
 
@@ -114,6 +115,12 @@ def load_safetensors(
   Reads the files ``zerojax.export_safetensors`` writes (round trips are
   exact, onto any stage and device count) and HuggingFace's: one file, or a
   model split over several with a ``model.safetensors.index.json``.
+
+  To train from the loaded values, pass ``init=True`` for the optimizer state
+  too, made of the full-precision values as ``tx.init`` makes it: under a
+  precision policy with a lower compute dtype, stages 1 and 2 return the
+  parameters rounded to it (as ``tx.shard`` does), of which ``tx.init`` would
+  make a rounded master copy (and so refuses them).
 
   Args:
     paths: a ``.safetensors`` file, a HuggingFace index (``...index.json``), a
@@ -132,16 +139,26 @@ def load_safetensors(
       dimension (scanned layers), or a ``zerojax.FileKey`` (to transpose).
       ``None`` (the default): every leaf keeps its own name. Tensors that no
       leaf names are not read.
+    init: also make the optimizer state, and return ``(params, opt_state)``
+      as ``tx.sharded_init``'s function does: what ``tx.shard(full)`` and
+      ``tx.init(full)`` give for the full-precision parameters ``full`` in the
+      files. Each process then reads only the full-precision shards its
+      devices keep of the master copy (1/N of the file), and the parameters
+      replicated at stages 1 and 2 are gathered from them over the devices.
 
   Returns:
-    The parameters in ``like``'s structure, as ``tx.shard`` would return them.
+    The parameters in ``like``'s structure, as ``tx.shard`` would return them;
+    with ``init=True``, the pair ``(params, opt_state)``.
 
   Raises:
     ValueError: naming every leaf whose tensor is missing from the files (and
       the closest names there), whose shape differs from ``like``'s (and the
       ``FileKey`` that would fit, if a transpose or a stack would), or whose
       dtype cannot become the leaf's (a float tensor for an integer leaf, or
-      a dtype zerojax cannot read); or for a path that is not safetensors.
+      a dtype zerojax cannot read); or for a path that is not safetensors, or
+      a file that is damaged or truncated.
+    TypeError: for ``keys`` that is neither a mapping nor a function, or that
+      gives a leaf something other than names or a ``zerojax.FileKey``.
 
   Example:
     >>> import os, tempfile, jax, jax.numpy as jnp, ml_dtypes, numpy as np, optax, zerojax
@@ -157,6 +174,16 @@ def load_safetensors(
     ((2, 4, 126), (2, 4, 1001))
     >>> tx.gather(params)["kernel"][1, 0, :3].tolist()
     [1.0, 1.0, 1.0]
+
+    Stage 2 with bfloat16 compute: the optimizer state (its float32 master
+    copy) made of the file's float32 values, not of the rounded parameters.
+
+    >>> write(path, {"w": np.full((8, 128), 1 + 2**-10, np.float32)})
+    >>> tx = zerojax.zero2(optax.adam(1e-3), mesh=tx.mesh, precision="bf16")
+    >>> like = {"w": jax.ShapeDtypeStruct((8, 128), jnp.float32)}
+    >>> params, opt_state = zerojax.load_safetensors(path, tx, like, init=True)
+    >>> params["w"].dtype, float(params["w"][0, 0]), float(tx.gather(opt_state.master)["w"][0, 0])
+    (dtype(bfloat16), 1.0, 1.0009765625)
   """
   optimizer = zero_lib.unwrap(tx)
   settings = optimizer.settings
@@ -166,6 +193,9 @@ def load_safetensors(
   found = tensor_files.tensors(paths)
   named, treedef = jax.tree_util.tree_flatten_with_path(logical)
   sources = _sources(found, [(_name(path), leaf) for path, leaf in named], keys, paths)
+  # The stored parameters, or with init=True the master copy: full precision, split as the
+  # optimizer state is (stage 3 stores it as the parameters).
+  layout = plans.sharded if init else plans.params
 
   def place(stored: layout_lib.LeafLayout, leaf: Any, source: _Source) -> jax.Array:
     sharding = NamedSharding(settings.mesh, stored.partition_spec)
@@ -175,10 +205,18 @@ def load_safetensors(
     treedef,
     [
       place(stored, leaf, source)
-      for stored, (_, leaf), source in zip(plans.params.leaves, named, sources, strict=True)
+      for stored, (_, leaf), source in zip(layout.leaves, named, sources, strict=True)
     ],
   )
-  return stored_lib.wrap(plans.params, placed) if settings.stage.splits_params else placed
+  if not init:
+    return stored_lib.wrap(layout, placed) if settings.stage.splits_params else placed
+  master = stored_lib.wrap(layout, placed)
+  opt_state = tx.init(master)
+  if settings.stage.splits_params and plans.master is None:
+    return master, opt_state  # stage 3 stores the master copy as its parameters
+  with jax.set_mesh(settings.mesh):
+    # Inside jit, where the replicated parameters are gathered from the shards.
+    return jax.jit(tx.shard)(master), opt_state
 
 
 def _name(path: tuple[Any, ...]) -> str:
@@ -286,7 +324,7 @@ def _sources(
     names = [key.key] if isinstance(key.key, str) else list(key.key)
     missing = [n for n in names if n not in found]
     if missing:
-      problems.append(_missing(name, missing, found, keys))
+      problems.append(_missing(name, missing, found, keys, [n for n, _ in leaves]))
       sources.append(None)
       continue
     tensors = tuple(found[n] for n in names)
@@ -323,22 +361,31 @@ def _key_of(name: str, keys: Any) -> FileKey:
       f"keys is a mapping or a function of a leaf's name, got {type(keys).__name__}; e.g. "
       "keys={'blocks.kernel': ['h.0.weight', 'h.1.weight']} or keys=lambda name: ..."
     )
-  if isinstance(key, FileKey):
-    return key
-  if isinstance(key, str) or (
-    isinstance(key, Sequence) and key and all(isinstance(k, str) for k in key)
+  names: Any = key.key if isinstance(key, FileKey) else key
+  if isinstance(names, str) or (
+    isinstance(names, Sequence) and names and all(isinstance(k, str) for k in names)
   ):
-    return FileKey(key)
+    return key if isinstance(key, FileKey) else FileKey(names)
   raise TypeError(
     f"keys gave {key!r} for leaf {name!r}: give a tensor's name, a non-empty sequence of "
     "names (stacked along the leading dimension), or a zerojax.FileKey."
   )
 
 
-def _missing(name: str, missing: list[str], found: dict[str, Any], keys: Any) -> str:
+def _missing(
+  name: str, missing: list[str], found: dict[str, Any], keys: Any, leaves: list[str]
+) -> str:
   close = difflib.get_close_matches(missing[0], list(found), n=3, cutoff=0.5)
   hint = f"; the closest there: {close}" if close else ""
-  given = "" if keys is None else " (from keys)"
+  mapped = keys is not None and (not isinstance(keys, Mapping) or name in keys)
+  if isinstance(keys, Mapping) and not mapped:
+    # A leaf that keeps its own name because keys misspells it.
+    known = set(leaves)
+    strays = [k for k in keys if k not in known]
+    stray = difflib.get_close_matches(name, strays, n=1, cutoff=0.5)
+    if stray:
+      hint += f"; keys maps {stray[0]!r}, which names no leaf (did you mean {name!r}?)"
+  given = " (from keys)" if mapped else ""
   what = f"tensor {missing[0]!r}" if len(missing) == 1 else f"tensors {missing[:3]}..."
   return f"{name}: {what}{given} is not in the files{hint}"
 
@@ -357,23 +404,38 @@ def _unfit(
   except ValueError as error:
     return f"{name}: {error}"
   if len(dtypes) > 1 or len({t.shape for t in tensors}) > 1:
-    return f"{name}: its stacked tensors differ in shape or dtype ({first.name!r}, ...)"
+    other = next(t for t in tensors if (t.dtype, t.shape) != (first.dtype, first.shape))
+    return (
+      f"{name}: the tensors stacked into it differ: {first.name!r} is {first.dtype_name} "
+      f"{first.shape}, {other.name!r} {other.dtype_name} {other.shape}. Stack one tensor per "
+      "layer, each of a layer's shape."
+    )
   want = np.dtype(leaf.dtype)
   if _kind(first.dtype) != _kind(want):
+    kind = _kind(first.dtype)
     return (
-      f"{name}: tensor {first.name!r} is {first.dtype.name} and the leaf {want.name}; a "
-      f"{_kind(first.dtype)} tensor is not read into a {_kind(want)} leaf. Give the leaf the "
-      "file's kind of dtype in `like`."
+      f"{name}: tensor {first.name!r} is {first.dtype.name} and the leaf {want.name}; "
+      f"{'an' if kind == 'integer' else 'a'} {kind} tensor is not read into a {_kind(want)} "
+      "leaf. Give the leaf the file's kind of dtype in `like`."
     )
   if transpose is not None and sorted(transpose) != list(range(len(first.shape))):
-    return f"{name}: transpose={transpose} is not a permutation of {first.name!r}'s axes"
+    return (
+      f"{name}: transpose={transpose} is not a permutation of the axes of {first.name!r}, "
+      f"{tuple(range(len(first.shape)))}"
+    )
   shape = _Source(tensors, stacked, transpose).shape
   if shape == tuple(leaf.shape):
     return None
   fix = ""
-  if not stacked and transpose is None and tuple(reversed(first.shape)) == tuple(leaf.shape):
-    axes = tuple(reversed(range(len(first.shape))))
+  axes = tuple(reversed(range(len(first.shape))))
+  reversed_shape = tuple(reversed(first.shape))
+  if not stacked and transpose is None and reversed_shape == tuple(leaf.shape):
     fix = f"; transposed it fits: zerojax.FileKey({first.name!r}, transpose={axes})"
+  elif stacked and transpose is None and reversed_shape == tuple(leaf.shape[1:]):
+    fix = (
+      f"; each layer transposed it fits: zerojax.FileKey(names, transpose={axes}), with the "
+      f"{len(tensors)} names"
+    )
   elif not stacked and tuple(leaf.shape[1:]) == first.shape:
     fix = f"; it fits one layer: give {leaf.shape[0]} names to stack, one per layer"
   return f"{name}: tensor {first.name!r} gives shape {shape}, the leaf has {tuple(leaf.shape)}{fix}"

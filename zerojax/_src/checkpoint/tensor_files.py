@@ -2,18 +2,21 @@
 
 The format is an 8-byte little-endian header length, a JSON header naming each
 tensor's dtype, shape and byte range, then the raw little-endian data, each
-tensor in row-major order. A slice is read with ``readinto`` into a buffer of
-its own size (or a bounded buffer of whole rows, for a slice of some columns),
-never through a memory map: the pages of a mapped file that a strided slice
-touches count in the process's resident memory (``ru_maxrss``), so a column
-slice through ``safetensors.safe_open(...).get_slice`` holds the whole tensor
-resident (benchmarks/loading.py measures it).
+tensor in row-major order. A region is read with ``readinto`` straight into
+its own array, one contiguous span of the file at a time (a slice of some
+columns is one span a row), so a process reads its own bytes and no others;
+only spans closer together than a page are read as whole rows, through a
+bounded buffer. Never through a memory map: the pages of a mapped file that a
+strided slice touches count in the process's resident memory (``ru_maxrss``),
+so a column slice through ``safetensors.safe_open(...).get_slice`` holds the
+whole tensor resident (benchmarks/loading.py measures it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
@@ -49,10 +52,11 @@ DTYPES: dict[str, np.dtype] = {
 #: HuggingFace's name for the index of a model split over several files.
 INDEX_FILE = "model.safetensors.index.json"
 
-#: A slice of some columns is read in whole rows, this many bytes of them at a time.
+#: Spans of a region less than this many bytes apart are read in whole rows (with the gaps
+#: between them, which the disk reads anyway: it reads whole pages); farther apart, each alone.
+GAP_BYTES = 4096
+#: Whole rows are read through a buffer of at most this many bytes.
 ROWS_BUFFER_BYTES = 4 * 2**20
-#: A row's part at least this long is read on its own (skipping the rest of the row on disk).
-MIN_SPAN_BYTES = 64 * 2**10
 #: Larger headers are not safetensors headers (the format's own limit is 100 MB).
 _MAX_HEADER_BYTES = 100 * 2**20
 
@@ -104,7 +108,10 @@ class FileTensor:
     out = np.empty([stop - start for start, stop in region], self.dtype)
     if out.size:
       with open(self.path, "rb", buffering=0) as file:
-        _read_region(file, self.offset, self.shape, region, out)
+        try:
+          _read_region(file, self.offset, self.shape, region, out)
+        except EOFError:
+          raise _truncated(self.path, self.name) from None  # it shrank since its header was read
     return out
 
 
@@ -118,42 +125,73 @@ def _bounds(index: slice, size: int) -> tuple[int, int]:
 def _read_region(
   file: io.FileIO, offset: int, shape: tuple[int, ...], region: list[tuple[int, int]], out: Any
 ) -> None:
-  """Fills ``out`` with ``region`` of the row-major tensor of ``shape`` at ``offset``."""
-  if not shape:
-    _read_exactly(file, offset, out)
+  """Fills ``out`` with ``region`` of the row-major tensor of ``shape`` at ``offset``.
+
+  ``out`` (C-contiguous) is filled in order by the region's contiguous spans of
+  the file: each is the extent of its last axis not taken whole, times the
+  axes after it. Spans follow one another along the axis before it (``stride``
+  bytes apart) and jump along the axes before that.
+  """
+  dest = out.reshape(-1).view(np.uint8)
+  whole = len(shape)
+  while whole and region[whole - 1] == (0, shape[whole - 1]):
+    whole -= 1
+  if not whole:
+    _read_exactly(file, offset, dest)  # the whole tensor
     return
-  (start, stop), rest = region[0], region[1:]
-  row = math.prod(shape[1:]) * out.itemsize
-  if all(r == (0, n) for r, n in zip(rest, shape[1:], strict=True)):
-    _read_exactly(file, offset + start * row, out)  # contiguous: straight into the output
+  steps = [math.prod(shape[axis + 1 :]) * out.itemsize for axis in range(whole)]
+  start, stop = region[whole - 1]
+  span = (stop - start) * steps[whole - 1]
+  offset += start * steps[whole - 1]
+  if whole == 1:
+    _read_exactly(file, offset, dest)  # some rows: one span
     return
-  wanted = math.prod(b - a for a, b in rest) * out.itemsize
-  if row > ROWS_BUFFER_BYTES or wanted >= MIN_SPAN_BYTES:
-    for i in range(start, stop):
-      _read_region(file, offset + i * row, shape[1:], rest, out[i - start])
-    return
-  # Short parts of many rows: whole rows through a bounded buffer, one read each.
-  columns = tuple(slice(a, b) for a, b in rest)
-  rows_per_read = max(1, ROWS_BUFFER_BYTES // row)
-  for first in range(start, stop, rows_per_read):
-    count = min(rows_per_read, stop - first)
-    rows = np.empty((count, *shape[1:]), out.dtype)
-    _read_exactly(file, offset + first * row, rows)
-    out[first - start : first - start + count] = rows[(slice(None), *columns)]
+  first, last = region[whole - 2]
+  outer = itertools.product(*(range(a, b) for a, b in region[: whole - 2]))
+  count, done = last - first, 0
+  for index in outer:
+    at = offset + sum(i * step for i, step in zip(index, steps, strict=False))
+    at += first * steps[whole - 2]
+    _read_strided(file, at, count, span, steps[whole - 2], dest[done : done + count * span])
+    done += count * span
 
 
-def _read_exactly(file: io.FileIO, offset: int, out: np.ndarray) -> None:
-  view = out.reshape(-1).view(np.uint8).data
+def _read_strided(
+  file: io.FileIO, offset: int, count: int, span: int, stride: int, dest: Any
+) -> None:
+  """``count`` spans of ``span`` bytes, ``stride`` bytes apart from ``offset``, into ``dest``."""
+  gap = stride - span
+  if gap >= GAP_BYTES:
+    for i in range(count):  # each span alone: no byte of the gaps is read
+      _read_exactly(file, offset + i * stride, dest[i * span : (i + 1) * span])
+    return
+  # Spans close together: whole rows through a bounded buffer, one read for several.
+  rows_per_read = max(1, ROWS_BUFFER_BYTES // stride)
+  spans = dest.reshape(count, span)
+  for first in range(0, count, rows_per_read):
+    rows = min(rows_per_read, count - first)
+    buffer = np.empty(rows * stride, np.uint8)
+    _read_exactly(file, offset + first * stride, buffer[: rows * stride - gap])
+    spans[first : first + rows] = buffer.reshape(rows, stride)[:, :span]
+
+
+def _read_exactly(file: io.FileIO, offset: int, dest: np.ndarray) -> None:
+  """Fills the bytes ``dest`` from ``offset``."""
+  view = dest.data
   file.seek(offset)
   done = 0
   while done < len(view):
     count = file.readinto(view[done:])
     if not count:
-      raise ValueError(
-        f"{file.name} ends before the tensor data its header promises: the file is truncated "
-        "(an interrupted download or copy?). Fetch it again."
-      )
+      raise EOFError(offset + done)
     done += count
+
+
+def _truncated(path: str, name: str) -> ValueError:
+  return ValueError(
+    f"{path} ends before the data of tensor {name!r}: the file is truncated (an interrupted "
+    "download or copy?). Fetch it again."
+  )
 
 
 def tensors(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> dict[str, FileTensor]:
@@ -215,7 +253,15 @@ def _files(path: Path) -> list[str]:
         f"{path} is not a safetensors index: it has no JSON object with a 'weight_map' "
         "naming each tensor's file."
       ) from None
-    return [str(path.parent / name) for name in dict.fromkeys(weight_map.values())]
+    files = [str(path.parent / name) for name in dict.fromkeys(weight_map.values())]
+    absent = [f for f in files if not os.path.exists(f)]
+    if absent:
+      raise ValueError(
+        f"{path} names {len(files)} files, and {os.path.basename(absent[0])} of them is not "
+        f"beside it{f' (nor {len(absent) - 1} more)' * (len(absent) > 1)}: download every file "
+        "the index names into its directory."
+      )
+    return files
   return [str(path)]
 
 
@@ -229,28 +275,32 @@ def _header(path: str) -> dict[str, FileTensor]:
     file.seek(8)
     try:
       header = json.loads(file.read(length))
-    except ValueError:
-      raise ValueError(f"{path} is not a safetensors file (its header is not JSON).") from None
+      entries = {name: _entry(entry) for name, entry in header.items() if name != "__metadata__"}
+    except (ValueError, TypeError, KeyError, AttributeError):
+      raise ValueError(
+        f"{path} is not a safetensors file (its header is not a JSON object giving each "
+        "tensor's dtype, shape and data_offsets)."
+      ) from None
   start = 8 + length
   found = {}
-  for name, entry in header.items():
-    if name == "__metadata__":
-      continue
-    begin, end = entry["data_offsets"]
-    tensor = FileTensor(path, name, entry["dtype"], tuple(entry["shape"]), start + begin)
+  for name, (dtype_name, shape, begin, end) in entries.items():
+    tensor = FileTensor(path, name, dtype_name, shape, start + begin)
     itemsize = DTYPES[tensor.dtype_name].itemsize if tensor.dtype_name in DTYPES else None
-    if itemsize is not None and end - begin != math.prod(tensor.shape) * itemsize:
+    if begin < 0 or (itemsize is not None and end - begin != math.prod(tensor.shape) * itemsize):
       raise ValueError(
         f"tensor {name!r} in {path} has {end - begin} bytes for shape {tensor.shape} of "
         f"{tensor.dtype_name}: the file is damaged."
       )
     if start + end > size:
-      raise ValueError(
-        f"{path} ends before tensor {name!r}'s data: the file is truncated (an interrupted "
-        "download or copy?). Fetch it again."
-      )
+      raise _truncated(path, name)
     found[name] = tensor
   return found
+
+
+def _entry(entry: Any) -> tuple[str, tuple[int, ...], int, int]:
+  """A header's entry for a tensor: its dtype's name, shape, and where its data begins and ends."""
+  begin, end = entry["data_offsets"]
+  return str(entry["dtype"]), tuple(int(n) for n in entry["shape"]), int(begin), int(end)
 
 
 def header_bytes(tensors: dict[str, Any]) -> bytes:
