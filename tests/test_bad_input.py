@@ -388,6 +388,17 @@ def loss_not_a_scalar(types):
   jax.jit(zerojax.value_and_grad(loss, tx))(_w(tx), jnp.ones((8, 4)))
 
 
+def forward_returns_a_scalar(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  loss = lambda params, x: jnp.mean(x @ zerojax.gather(params)["w"])  # the mean, not per example
+  jax.jit(zerojax.forward(loss, tx))(_w(tx), jnp.ones((8, 4)))
+
+
+def forward_without_a_batch(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  jax.jit(zerojax.forward(lambda params: zerojax.gather(params)["w"], tx))(_w(tx))
+
+
 def _stage_mesh(types):
   return jax.make_mesh((2, 4), ("stage", "data"), (types, types))
 
@@ -618,6 +629,8 @@ CASES = {
   "TypeError: value_and_grad needs loss_fn to return a scalar loss ... shape (1, 1024)": (
     loss_not_a_scalar
   ),
+  "zerojax.forward's fn returned a scalar at its output": forward_returns_a_scalar,
+  "zerojax.forward's function was called with no batch arguments": forward_without_a_batch,
   "min_shard_size must be an int, 0 or more (the fewest elements a leaf needs to be split), "
   "got '1024'": min_shard_size_as_text,
   "TypeError: CheckpointManager's spec is a zerojax.StateSpec, got ZeroTransformation": (

@@ -68,6 +68,13 @@ class _Forward:
     self.settings = optimizer.settings
 
   def __call__(self, params: Any, *batch: Any) -> Any:
+    if not jax.tree.leaves(batch):
+      raise ValueError(
+        "zerojax.forward's function was called with no batch arguments: forward runs fn on "
+        "each device's slice of a batch and lays the results side by side, so without one "
+        "every device's result would be stacked. Pass the batch (inputs, a KV cache) after "
+        "the parameters, or compute what needs no batch on tx.gather(params)."
+      )
     settings = self.settings
     plans, params, batch, (param_specs, batch_specs) = grad_lib.placed(
       self.optimizer, params, batch
