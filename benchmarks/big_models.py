@@ -69,9 +69,11 @@ SETUPS = (
   ("train", "zero3"),
   ("train", "GSPMD FSDP"),
   ("evaluate", "zero3 forward"),
+  ("evaluate", "zero3 forward, prefetch=0"),
   ("evaluate", "GSPMD FSDP"),
   ("evaluate", "on tx.gather"),
   ("sample", "zero3 forward"),
+  ("sample", "zero3 forward, prefetch=0"),
   ("sample", "GSPMD FSDP"),
 )
 AXIS = transformer.AXIS
@@ -143,6 +145,7 @@ class Programs:
           return self.tx.sharded_init(self.init_fn).lower(self.key(self.mesh))
       return self._fsdp_init(AxisType.Auto if "Auto" in setup else AxisType.Explicit)
     zero, gathered = setup.startswith("zero3"), setup == "on tx.gather"
+    prefetch = 0 if setup.endswith("prefetch=0") else 1
     mesh = self.mesh if zero else self.auto
     batch = self.batch(mesh)
     if zero:
@@ -162,13 +165,15 @@ class Programs:
           params, opt_state, batch["tokens"]
         )
       if program == "evaluate":
-        loss = lambda p, t: transformer.per_example_loss(c, p, t, zero)
+        loss = lambda p, t: transformer.per_example_loss(c, p, t, zero, prefetch)
         if gathered:  # the whole model on every device, in the compute dtype
           fn = lambda p, t: loss(self.auto_tx.gather(p), t)
         else:
           fn = zerojax.forward(loss, self.tx) if zero else loss
         return jax.jit(fn).lower(params, batch["tokens"])
-      step = lambda p, t, k, v, at: transformer.decode(c, p, t, {"k": k, "v": v}, at, zero)
+      step = lambda p, t, k, v, at: transformer.decode(
+        c, p, t, {"k": k, "v": v}, at, zero, prefetch
+      )
       fn = zerojax.forward(step, self.tx) if zero else step
       args = (batch["last"], batch["k"], batch["v"], batch["position"])
       return jax.jit(fn, donate_argnums=(2, 3)).lower(params, *args)
@@ -225,6 +230,7 @@ def compile_all(model: str, target: str) -> dict[str, dict[str, Any]]:
         "arguments": memory.argument_size_in_bytes / GIB,
         "outputs": memory.output_size_in_bytes / GIB,
         "temporaries": memory.temp_size_in_bytes / GIB,
+        "aliased": memory.alias_size_in_bytes / GIB,
         "peak": getattr(memory, "peak_memory_in_bytes", 0) / GIB or None,
       }
     results[f"{program}: {setup}"] = row
@@ -232,8 +238,9 @@ def compile_all(model: str, target: str) -> dict[str, dict[str, Any]]:
   return results
 
 
-def run(name: str, cache: Path, again: bool) -> dict[str, dict[str, Any]]:
-  """``name``'s results, from ``cache`` or compiled in a process started for its machine."""
+def run(name: str, cache: Path, again: bool) -> dict[str, Any]:
+  """``name``'s results (``programs`` and the ``seconds`` they took to compile), from ``cache``
+  or compiled in a process started for its machine."""
   model, target = name.split(":")
   path = cache / f"{model}-{target}.json"
   if again or not path.exists():
@@ -244,6 +251,18 @@ def run(name: str, cache: Path, again: bool) -> dict[str, dict[str, Any]]:
   return json.loads(path.read_text())
 
 
+def note(row: dict[str, Any], machine: Any) -> str:
+  """Why a program does not fit: the compiler's refusal, or, as XLA:GPU compiles a program that
+  needs more than the device has (XLA:TPU refuses it), the bytes it needs."""
+  if "error" in row:
+    return row["error"]
+  need = row["arguments"] + row["outputs"] - row["aliased"] + row["temporaries"]
+  hbm = machine.hbm_bytes / GIB
+  if machine.platform == "cuda" and need > hbm:
+    return f"does not fit: needs {need:.0f} GiB of {hbm:.0f}"
+  return ""
+
+
 def section(name: str, results: dict[str, dict[str, Any]]) -> list[str]:
   model, target = name.split(":")
   config, machine = transformer.CONFIGS[model], deviceless_target(target)
@@ -251,7 +270,7 @@ def section(name: str, results: dict[str, dict[str, Any]]) -> list[str]:
   keys = ("formula", "arguments", "outputs", "temporaries", "peak")
   cell = lambda row, k: f"{row[k]:.2f}" if row.get(k) is not None else "-"
   rows = [
-    {"program": what, **{k: cell(row, k) for k in keys}, "note": row.get("error", "")}
+    {"program": what, **{k: cell(row, k) for k in keys}, "note": note(row, machine)}
     for what, row in results.items()
   ]
   return report.section(
@@ -271,16 +290,22 @@ def main() -> None:
   args = parser.parse_args()
   if args.child:
     model, target = args.child.split(":")
-    results = compile_all(model, target)
+    clock = report.Clock()
+    results = {"programs": compile_all(model, target), "seconds": clock.elapsed()}
     (args.cache / f"{model}-{target}.json").write_text(json.dumps(results, indent=1))
     return
   clock = report.Clock()
-  lines = []
+  lines, seconds = [], 0.0
   for name in args.only or RUNS:
-    lines += section(name, run(name, args.cache, args.again))
+    results = run(name, args.cache, args.again)
+    lines += section(name, results["programs"])
+    seconds += results["seconds"]
   text = "\n".join(
     [
       *lines,
+      f"Compiling the programs took {seconds:.0f} s in all (each machine's are cached in "
+      "--cache; --again compiles them again).",
+      "",
       report.accelerator_provenance(clock),
       "",
       *report.command("big_models.py", sys.argv[1:]),

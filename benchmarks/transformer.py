@@ -23,6 +23,7 @@ benchmark may compile for hardware it does not have.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -63,7 +64,7 @@ class Config:
 
 
 CONFIGS = {
-  "7.5B": Config(layers=30, d=4096, heads=32, kv_heads=32, mlp=14336),
+  "7.5B": Config(layers=30, d=4096, heads=32, kv_heads=32, mlp=14080),
   "70B": Config(layers=80, d=8192, heads=64, kv_heads=8, mlp=28672),
 }
 
@@ -151,20 +152,21 @@ def layer(config: Config, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
 
 
 def per_example_loss(
-  config: Config, params: dict[str, Any], tokens: jax.Array, zero: bool
+  config: Config, params: dict[str, Any], tokens: jax.Array, zero: bool, prefetch: int = 1
 ) -> jax.Array:
   """Each sequence's mean next-token cross-entropy (``tokens`` of ``seq_len + 1``).
 
   ``zero``: on stored parameters inside zerojax's ``shard_map`` (the layers under
-  ``zerojax.scan``, the rest opened with ``zerojax.gather``); otherwise on whole
-  (annotated) parameters under ``jax.lax.scan``.
+  ``zerojax.scan``, ``prefetch`` layers ahead, the rest opened with
+  ``zerojax.gather``); otherwise on whole (annotated) parameters under
+  ``jax.lax.scan``.
   """
   x, y = tokens[:, :-1], tokens[:, 1:]
   outer = zerojax.gather({k: v for k, v in params.items() if k != "layers"}) if zero else params
   h = _bf16(outer["embed"])[x]
   step = lambda h, w: (_batch_split(layer(config, h, w), zero), None)
   if zero:
-    h, _ = zerojax.scan(step, h, params["layers"], policy=POLICY)
+    h, _ = zerojax.scan(step, h, params["layers"], prefetch=prefetch, policy=POLICY)
   else:
     policy = getattr(jax.checkpoint_policies, POLICY)
     h, _ = jax.lax.scan(jax.checkpoint(step, policy=policy), h, params["layers"])
@@ -191,6 +193,7 @@ def decode(
   cache: dict[str, jax.Array],
   position: jax.Array,
   zero: bool,
+  prefetch: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """One sampling step: each sequence's next token (greedy) after ``tokens`` at ``position``.
 
@@ -213,7 +216,7 @@ def decode(
     attended = jax.nn.dot_product_attention(q, keys, values, mask=visible)
     return (_batch_split(layer_rest(h, attended, w), zero), i + 1), (k[:, 0], v[:, 0])
 
-  scan = zerojax.scan if zero else jax.lax.scan
+  scan = functools.partial(zerojax.scan, prefetch=prefetch) if zero else jax.lax.scan
   (h, _), (k, v) = scan(step, (h, jnp.int32(0)), params["layers"])
   batch = jnp.arange(tokens.shape[0])
   cache = {

@@ -205,6 +205,7 @@ PRINTING_PAGES = {
   "performance.md": "blocks",
   "multiprocess.md": "blocks",
   "troubleshooting.md": "blocks",
+  "big_models.md": "page",
 }
 RUNS = {f"{page}-{i}": run for page in PRINTING_PAGES for i, run in enumerate(page_runs(page))}
 
