@@ -12,7 +12,6 @@ N = 2 plus at most a few layers opened in the compute dtype (the layer in use,
 the one gathered ahead, and the loop's copies of them), never the model.
 """
 
-import math
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import transformer  # noqa: E402
+import transformer
 
 CONFIG = transformer.Config(
   layers=16, d=128, heads=4, kv_heads=2, mlp=384, vocab=256, head_dim=32, seq_len=32
