@@ -20,6 +20,7 @@ in float32 (see ``quantized.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -71,11 +72,45 @@ def reduce_scatter(
 ) -> jax.Array:
   """A tiled ``psum_scatter`` along ``axis``; with ``quantization``, ZeRO++'s quantized one.
 
-  The quantized reduction sums in float32 (or ``x``'s dtype, if wider).
+  The quantized reduction sums in float32 (or ``x``'s dtype, if wider), over
+  several axes in two rounds, inside a node first (``reduce_scatter_together``).
   """
-  if quantization is None or not _is_real(x):
-    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
-  return quantize.reduce_scatter(x, axis_name, axis, quantization, _summed_in(x))
+  return reduce_scatter_together([x], axis_name, [axis], quantization)[0]
+
+
+def reduce_scatter_together(
+  xs: Sequence[jax.Array],
+  axis_name: Any,
+  axes: Sequence[int],
+  quantization: quantize.Quantization | None = None,
+  inner_axes: tuple[str, ...] | None = None,
+) -> list[jax.Array]:
+  """``reduce_scatter`` of each of ``xs`` along its entry of ``axes``.
+
+  Unquantized, one ``psum_scatter`` each (XLA combines them where that pays).
+  Quantized, the real arrays' chunks move together, one all-to-all per round;
+  over several axes the first round stays inside a node: over ``inner_axes``,
+  by default the last axis (``quantized.hierarchy``). Complex arrays move
+  unquantized.
+  """
+  results: list[Any] = [None] * len(xs)
+  quantized = [i for i, x in enumerate(xs) if quantization is not None and _is_real(x)]
+  for i, (x, axis) in enumerate(zip(xs, axes, strict=True)):
+    if i not in quantized:
+      results[i] = jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
+  if quantized:
+    assert quantization is not None
+    sums = quantize.reduce_scatter_together(
+      [xs[i] for i in quantized],
+      axis_name,
+      [axes[i] for i in quantized],
+      quantization,
+      [_summed_in(xs[i]) for i in quantized],
+      inner_axes,
+    )
+    for i, summed in zip(quantized, sums, strict=True):
+      results[i] = summed
+  return results
 
 
 def all_reduce(
