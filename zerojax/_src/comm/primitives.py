@@ -57,9 +57,11 @@ def all_gather(
 
   ``x`` is cast to ``dtype`` before it moves (a narrower ``dtype`` moves as
   its bits, see ``as_bits``); with ``quantization``, its codes and scales
-  move instead and are dequantized to ``dtype`` on arrival.
+  move instead and are dequantized to ``dtype`` on arrival. Over axes of one
+  device nothing moves, and nothing is quantized (hpZ's gather across nodes
+  on a single node, say).
   """
-  if quantization is not None and _is_real(x):
+  if quantization is not None and _is_real(x) and jax.lax.axis_size(axis_name) > 1:
     return quantize.all_gather(x, axis_name, axis, quantization, dtype)
   if x.dtype == dtype:
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
@@ -87,14 +89,16 @@ def reduce_scatter_together(
 ) -> list[jax.Array]:
   """``reduce_scatter`` of each of ``xs`` along its entry of ``axes``.
 
-  Unquantized, one ``psum_scatter`` each (XLA combines them where that pays).
+  Unquantized (or over axes of one device, where nothing moves), one
+  ``psum_scatter`` each (XLA combines them where that pays).
   Quantized, the real arrays' chunks move together, one all-to-all per round;
   over several axes the first round stays inside a node: over ``inner_axes``,
   by default the last axis (``quantized.hierarchy``). Complex arrays move
   unquantized.
   """
   results: list[Any] = [None] * len(xs)
-  quantized = [i for i, x in enumerate(xs) if quantization is not None and _is_real(x)]
+  moves = quantization is not None and jax.lax.axis_size(axis_name) > 1
+  quantized = [i for i, x in enumerate(xs) if moves and _is_real(x)]
   for i, (x, axis) in enumerate(zip(xs, axes, strict=True)):
     if i not in quantized:
       results[i] = jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
@@ -117,7 +121,7 @@ def all_reduce(
   x: jax.Array, axis_name: Any, quantization: quantize.Quantization | None = None
 ) -> jax.Array:
   """A ``psum``; with ``quantization``, a quantized reduce-scatter and all-gather."""
-  if quantization is None or not _is_real(x):
+  if quantization is None or not _is_real(x) or jax.lax.axis_size(axis_name) == 1:
     return jax.lax.psum(x, axis_name)
   return quantize.all_reduce(x, axis_name, quantization, _summed_in(x))
 
