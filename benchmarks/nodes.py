@@ -276,10 +276,10 @@ def compile_cell(args: argparse.Namespace) -> None:
 
 
 def commit() -> str:
-  """The checkout's commit, with ``+`` if zerojax/ or benchmarks/ have uncommitted changes."""
+  """The checkout's commit, with ``+`` if zerojax/ or the benchmark code is changed."""
   here = os.path.dirname(os.path.abspath(__file__))
   git = lambda *a: subprocess.run(["git", "-C", here, *a], capture_output=True, text=True).stdout
-  dirty = git("status", "--porcelain", "--", "../zerojax", ".").strip()
+  dirty = git("status", "--porcelain", "--", "../zerojax", "*.py").strip()
   return git("rev-parse", "--short", "HEAD").strip() + ("+" if dirty else "")
 
 
