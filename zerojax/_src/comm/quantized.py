@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 #: The ``quantized_weights`` / ``quantized_gradients`` values and their bit widths.
 FORMATS = {"int8": 8, "int4": 4}
@@ -325,28 +326,54 @@ def _exchanged_sums(
   """Row ``i`` of each of ``chunks`` sent quantized to device ``i`` of ``axes``; arrivals summed.
 
   ``ranks`` holds each array's rank: its leading dimensions beyond it index
-  chunks (the devices of this round, and of the next one).
+  chunks (the devices of this round, and of the next one). What arrives is
+  summed in float32, after dequantizing: a sum of codes would overflow, and
+  would mix the senders' scales.
 
-  One all-to-all moves every array's codes and scales, as bytes. What arrives
-  is summed in float32, after dequantizing: a sum of codes would overflow,
-  and would mix the senders' scales.
+  How the codes and scales move depends on the platform. On TPUs each
+  array's codes and its scales move in all-to-alls of their own: XLA:TPU
+  holds a concatenated buffer apart from its pieces (0.3-0.5 GiB more
+  temporaries on an 8-chip v5e, benchmarks/nodes.py's activation-heavy
+  model). Elsewhere every array's codes and scales travel as the bytes of one
+  buffer, one all-to-all a round: XLA:GPU prices each collective across nodes
+  at about 80 cycles before its first byte, and runs one at a time.
   """
   # Each chunk (one per device of the reduction, whichever round) is blocked on its own, so
   # the blocks, and the numbers, do not depend on how the devices are grouped into rounds.
   blocks = [
     quantize(c, spec, batch_dims=c.ndim - rank) for c, rank in zip(chunks, ranks, strict=True)
   ]
-  packed = [_as_bytes(b) for b in blocks]
   axis_name = axes[0] if len(axes) == 1 else axes
+  exchanged = _exchanged_apart if _platform() == "tpu" else _exchanged_together
+  arrived = exchanged(blocks, axis_name)
+  return [
+    jnp.sum(dequantize(b, spec, c.shape, jnp.float32), axis=0)
+    for c, b in zip(chunks, arrived, strict=True)
+  ]
+
+
+def _platform() -> str | None:
+  """The platform of the mesh being traced (``jax.shard_map``'s), if it says."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return getattr(device, "platform", None)
+
+
+def _exchanged_apart(blocks: list[Blocks], axis_name: Any) -> list[Blocks]:
+  """Row ``i`` of every array's codes and of its scales to device ``i``, each on its own."""
+  exchange = lambda x: jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+  return [Blocks(*map(exchange, b)) for b in blocks]
+
+
+def _exchanged_together(blocks: list[Blocks], axis_name: Any) -> list[Blocks]:
+  """Row ``i`` of every array's codes and scales to device ``i``, as the bytes of one buffer."""
+  packed = [_as_bytes(b) for b in blocks]
   buffer = packed[0] if len(packed) == 1 else jnp.concatenate(packed, axis=1)
-  # Row i: what device i sent this device.
   received = jax.lax.all_to_all(buffer, axis_name, 0, 0, tiled=True)
-  sums, start = [], 0
-  for c, b, p in zip(chunks, blocks, packed, strict=True):
-    arrived = _from_bytes(received[:, start : start + p.shape[1]], b)
-    start += p.shape[1]
-    sums.append(jnp.sum(dequantize(arrived, spec, c.shape, jnp.float32), axis=0))
-  return sums
+  starts = np.cumsum([0] + [p.shape[1] for p in packed])
+  return [
+    _from_bytes(received[:, start : start + p.shape[1]], b)
+    for b, p, start in zip(blocks, packed, starts, strict=False)
+  ]
 
 
 def _as_bytes(blocks: Blocks) -> jax.Array:
