@@ -236,7 +236,7 @@ def dcn_bytes(text: str, slices: int, per_slice: int) -> dict[str, float]:
         continue
       dims = [int(n) for n in shape.group(2).split(",") if n]
       count = _DTYPE_BYTES[shape.group(1)] * math.prod(dims) * executions.get(name, 0)
-      count *= times[kind.group(1)]
+      count *= times.get(kind.group(1), per_slice)  # ONE_TO_ONE (a permute): once a chip
       moved[kind.group(1)] = moved.get(kind.group(1), 0) + count
   return moved
 
