@@ -489,28 +489,28 @@ def checks(gpu: dict, model: str, memory: list[dict]) -> list[str]:
 def plot_gpu(gpu: dict, model: str, path: str) -> None:
   """XLA's estimate against GSPMD FSDP's, and arguments + temporaries, against the node count."""
   nodes = [deviceless_target(t).hosts for t in gpu]
-  figure = Figure(figsize=(14, 4.2))
+  figure = Figure(figsize=(15, 4.4))
   default, deferred, memory = figure.subplots(1, 3)
+  color = {name: f"C{i}" for i, name in enumerate((*GSPMD, *ZERO3))}  # the same in each panel
   for ax, suffix, title in (
     (default, "", "zerojax.scan"),
-    (deferred, DEFERRED, "zerojax.scan, deferred reductions"),
+    (deferred, DEFERRED, "deferred reductions"),
   ):
-    for name in ("GSPMD HSDP", *ZERO3):
+    for name in (*GSPMD, *ZERO3):
       key = name if name in GSPMD else name + suffix
       values = [gpu[t][key]["cycles"] / gpu[t][FSDP]["cycles"] for t in gpu]
-      ax.plot(nodes, values, marker="o", label=name)
-    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    ax.set(title=f"step vs GSPMD FSDP (XLA:GPU), {title}", xlabel="nodes of 8 H100")
+      ax.plot(nodes, values, marker="o", color=color[name], label=name)
+    ax.set(title=f"step / GSPMD FSDP's (XLA:GPU), {title}", xlabel="nodes of 8 H100")
   for name in (*GSPMD, *ZERO3):
     values = [(gpu[t][name]["arguments"] + gpu[t][name]["temporaries"]) / 2**30 for t in gpu]
-    memory.plot(nodes, values, marker="o", label=name)
+    memory.plot(nodes, values, marker="o", color=color[name], label=name)
   memory.set(title="arguments + temporaries", xlabel="nodes of 8 H100", ylabel="GiB per device")
   for ax in (default, deferred, memory):
     ax.set_xscale("log", base=2)
     ax.set_xticks(nodes, [str(n) for n in nodes])
   handles, labels = memory.get_legend_handles_labels()
   figure.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=8)
-  figure.suptitle(f"{model}, {MODELS[model][3]} tokens a device")
+  figure.suptitle(f"{model}, {MODELS[model][3]} tokens a device", y=1.02)
   figure.savefig(path, dpi=110, bbox_inches="tight")
 
 
