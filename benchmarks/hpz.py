@@ -42,6 +42,7 @@ import optax
 import setups as setups_lib
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from measure import cross_node
 
 import zerojax
 from zerojax.diagnostics import (
@@ -172,28 +173,6 @@ def _predicted(config: mlp.MlpConfig, tx, mesh) -> dict:
   return {"communication": communication._asdict(), "secondary": memory.secondary}
 
 
-def cross_node(bytes_by_axes: dict, devices_per_node: int = 4) -> float:
-  """Bytes that cross into or out of one node per step, as the ZeRO++ paper counts them.
-
-  ``bytes_by_axes`` is ``count_collectives_by_axes``'s bytes per device, keyed
-  by the axes spanned. A collective over ``node`` alone runs on every device of
-  the node: its bytes count ``devices_per_node`` times. One over ``node`` and
-  ``data`` runs once for the node, its parts crossing once. An all-reduce
-  moves its array twice (a reduce-scatter and an all-gather); an all-to-all's
-  chunks differ for each device, so it counts once per device of the node.
-  """
-  total = 0.0
-  for axes, kinds in bytes_by_axes.items():
-    axes = tuple(axes.split())
-    if "node" not in axes:
-      continue
-    group = devices_per_node if "data" in axes else 1  # the node's devices in one collective
-    for kind, moved in kinds.items():
-      times = {"all-reduce": 2 * devices_per_node / group, "all-to-all": devices_per_node}
-      total += moved * times.get(kind, devices_per_node / group)
-  return total
-
-
 def report(results: dict, config: mlp.MlpConfig, path: str) -> str:
   """Markdown tables: bytes per axis and across nodes in units of M; memory; XLA's estimate."""
   target = os.environ.get(_TARGET_PROCESS)
@@ -221,7 +200,7 @@ def report(results: dict, config: mlp.MlpConfig, path: str) -> str:
     lines.append(
       f"| {name} | "
       + " | ".join(f"{c / m:.3f} M" for c in cells)
-      + f" | {cross_node(by) / m:.2f} M | {across / m:.3f} / {inside / m:.3f} M |"
+      + f" | {cross_node(by, 4) / m:.2f} M | {across / m:.3f} / {inside / m:.3f} M |"
     )
   cycles = any("cycles" in r for r in results.values())
   lines += [

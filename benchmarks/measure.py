@@ -141,6 +141,29 @@ def volume_by_axis(step: jax.stages.Compiled, mesh, psi: int) -> dict[str, float
   return moved
 
 
+def cross_node(bytes_by_axes: dict, devices_per_node: int) -> float:
+  """Bytes that cross into or out of one node per step, as the ZeRO++ paper counts them.
+
+  ``bytes_by_axes`` is ``count_collectives_by_axes``'s bytes per device, keyed
+  by the axes spanned (their names joined by spaces), on a ``node x data``
+  mesh. A collective over ``node`` alone runs on every device of
+  the node: its bytes count ``devices_per_node`` times. One over ``node`` and
+  ``data`` runs once for the node, its parts crossing once. An all-reduce
+  moves its array twice (a reduce-scatter and an all-gather); an all-to-all's
+  chunks differ for each device, so it counts once per device of the node.
+  """
+  total = 0.0
+  for axes, kinds in bytes_by_axes.items():
+    axes = tuple(axes.split())
+    if "node" not in axes:
+      continue
+    group = devices_per_node if "data" in axes else 1  # the node's devices in one collective
+    for kind, moved in kinds.items():
+      times = {"all-reduce": 2 * devices_per_node / group, "all-to-all": devices_per_node}
+      total += moved * times.get(kind, devices_per_node / group)
+  return total
+
+
 def results(setups: list[Setup], times, ratios, psi: int, n: int) -> list[dict[str, Any]]:
   """One row per setup: memory, collective bytes, volume, time and loss.
 

@@ -108,9 +108,12 @@ def _placed(tree: Any, shardings: Any) -> Any:
 
 
 def fsdp_spec(
-  shape: tuple[int, ...], num_shards: int, min_size: int = zerojax.DEFAULT_MIN_SHARD_SIZE
+  shape: tuple[int, ...],
+  num_shards: int,
+  min_size: int = zerojax.DEFAULT_MIN_SHARD_SIZE,
+  axes: Any = AXIS,
 ) -> P:
-  """Shards over ``data`` the dimension zerojax's default layout picks, or replicates.
+  """Shards over ``axes`` (``data``) the dimension zerojax's default layout picks, or replicates.
 
   The dimension is ``zerojax.default_shard_dim``'s: never the leading
   (layer) dimension of a stacked weight, which the scan slices, and among the
@@ -123,14 +126,17 @@ def fsdp_spec(
   if dim is None or int(np.prod(shape)) < min_size or shape[dim] % num_shards:
     return P()
   spec = [None] * len(shape)
-  spec[dim] = AXIS
+  spec[dim] = axes
   return P(*spec)
 
 
-def plain_setup(name, loss, opt, params, batch, spec_of: Callable[[tuple[int, ...]], P]) -> Setup:
+def plain_setup(
+  name, loss, opt, params, batch, spec_of: Callable[[tuple[int, ...]], P], batch_axes: Any = AXIS
+) -> Setup:
   """A plain-JAX step (``jax.value_and_grad`` + ``opt``), every leaf placed by ``spec_of(shape)``.
 
-  The batch is split over ``data``; parameters and optimizer state are donated.
+  The batch's first dimension is split over ``batch_axes`` (a mesh axis or
+  tuple of axes: ``data``); parameters and optimizer state are donated.
   """
 
   def step(params, state, tokens, targets):
@@ -145,7 +151,7 @@ def plain_setup(name, loss, opt, params, batch, spec_of: Callable[[tuple[int, ..
   state = _evaluated(opt.init, params)
   state_sharding = jax.tree.map(sharding_of, state)
   state = _placed(state, state_sharding)
-  batch_sharding = NamedSharding(mesh, P(AXIS))
+  batch_sharding = NamedSharding(mesh, P(batch_axes))
   jitted = jax.jit(
     step,
     in_shardings=(params_sharding, state_sharding, batch_sharding, batch_sharding),

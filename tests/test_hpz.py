@@ -168,12 +168,16 @@ def test_only_the_forward_pass_gathers_across_nodes(name):
   # across nodes only each device's secondary partition, once per forward pass, and whole
   # weights, forward and backward, over "data" alone; the gradients leave over ("node",
   # "data"), as without hpZ.
+  # Quantized (qgZ), the gradients leave in two all-to-alls, over "data" then over "node",
+  # the same with hpZ as without.
   setup = SETUPS[name]
   hpz, full = by_axes(setup, True), by_axes(setup, False)
   assert "all-gather" not in hpz[AXES] and "all-gather" in full[AXES]
-  for kind in ("reduce-scatter", "all-to-all"):
-    assert hpz[AXES].get(kind, (0, 0))[1] == full[AXES].get(kind, (0, 0))[1], kind
-  assert set(hpz[("node",)]) == set(hpz[("data",)]) == {"all-gather"}
+  for axes in (AXES, ("node",), ("data",)):
+    for kind in ("reduce-scatter", "all-to-all"):
+      assert hpz[axes].get(kind, (0, 0))[1] == full.get(axes, {}).get(kind, (0, 0))[1], kind
+  reductions = {"all-to-all"} if dict(setup.options).get("quantized_gradients") else set()
+  assert set(hpz[("node",)]) == set(hpz[("data",)]) == {"all-gather", *reductions}
   moved, whole = hpz[("node",)]["all-gather"][1], hpz[("data",)]["all-gather"][1]
   per_node = mesh_of(setup).shape["data"]
   assert moved * per_node <= whole  # each weight's secondary partition, in one pass only

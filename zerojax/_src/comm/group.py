@@ -82,12 +82,24 @@ class Group(NamedTuple):
     return [jax.lax.pcast(value, axes, to="varying") for value in values]
 
   def reduce_scatter(self, cotangents: Sequence[jax.Array]) -> list[jax.Array]:
-    """Each device's shard of the sum over devices of ``cotangents`` (full, unpadded)."""
+    """Each device's shard of the sum over devices of ``cotangents`` (full, unpadded).
+
+    Quantized, the shards' chunks move together, and over several data axes
+    the sum is taken inside each node first: over the secondary axes under
+    hpZ, else over the last data axis (``quantized.hierarchy``).
+    """
     count = jax.lax.axis_size(self.axis_name)
-    shards = []
+    padded = []
     for transfer, cotangent in zip(self.transfers, cotangents, strict=True):
       size = transfer.shard_shape[transfer.axis] * count
-      padded = layout_lib.pad_to(cotangent.astype(transfer.reduce), transfer.axis, size)
-      shard = comm.reduce_scatter(padded, self.axis_name, transfer.axis, self.gradients)
-      shards.append(shard.astype(transfer.grad))
-    return shards
+      padded.append(layout_lib.pad_to(cotangent.astype(transfer.reduce), transfer.axis, size))
+    shards = comm.reduce_scatter_together(
+      padded,
+      self.axis_name,
+      [transfer.axis for transfer in self.transfers],
+      self.gradients,
+      self.secondary_axes or None,
+    )
+    return [
+      shard.astype(transfer.grad) for transfer, shard in zip(self.transfers, shards, strict=True)
+    ]

@@ -117,7 +117,10 @@ def _warn_if_not_intra_node(
     mesh.devices, [mesh.axis_names.index(name) for name in secondary], range(-len(secondary), 0)
   ).reshape(-1, size)
   spans = any(len({device.process_index for device in group}) > 1 for group in groups)
-  named = jax.process_count() == 1 and any(_CROSS_NODE_NAME.fullmatch(n) for n in secondary)
+  # The mesh's own processes, not jax.process_count(): that starts the default backend, which
+  # a process compiling for a TPU it does not have (deviceless) cannot.
+  one_process = len({device.process_index for device in mesh.devices.flat}) == 1
+  named = one_process and any(_CROSS_NODE_NAME.fullmatch(n) for n in secondary)
   if spans or named:
     why = "its devices are in more than one process" if spans else "its name says so"
     warnings.warn(

@@ -20,6 +20,7 @@ in float32 (see ``quantized.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -56,9 +57,11 @@ def all_gather(
 
   ``x`` is cast to ``dtype`` before it moves (a narrower ``dtype`` moves as
   its bits, see ``as_bits``); with ``quantization``, its codes and scales
-  move instead and are dequantized to ``dtype`` on arrival.
+  move instead and are dequantized to ``dtype`` on arrival. Over axes of one
+  device nothing moves, and nothing is quantized (hpZ's gather across nodes
+  on a single node, say).
   """
-  if quantization is not None and _is_real(x):
+  if quantization is not None and _is_real(x) and jax.lax.axis_size(axis_name) > 1:
     return quantize.all_gather(x, axis_name, axis, quantization, dtype)
   if x.dtype == dtype:
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
@@ -71,18 +74,54 @@ def reduce_scatter(
 ) -> jax.Array:
   """A tiled ``psum_scatter`` along ``axis``; with ``quantization``, ZeRO++'s quantized one.
 
-  The quantized reduction sums in float32 (or ``x``'s dtype, if wider).
+  The quantized reduction sums in float32 (or ``x``'s dtype, if wider), over
+  several axes in two rounds, inside a node first (``reduce_scatter_together``).
   """
-  if quantization is None or not _is_real(x):
-    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
-  return quantize.reduce_scatter(x, axis_name, axis, quantization, _summed_in(x))
+  return reduce_scatter_together([x], axis_name, [axis], quantization)[0]
+
+
+def reduce_scatter_together(
+  xs: Sequence[jax.Array],
+  axis_name: Any,
+  axes: Sequence[int],
+  quantization: quantize.Quantization | None = None,
+  inner_axes: tuple[str, ...] | None = None,
+) -> list[jax.Array]:
+  """``reduce_scatter`` of each of ``xs`` along its entry of ``axes``.
+
+  Unquantized (or over axes of one device, where nothing moves), one
+  ``psum_scatter`` each (XLA combines them where that pays).
+  Quantized, the real arrays' chunks move together, one all-to-all per round;
+  over several axes the first round stays inside a node: over ``inner_axes``,
+  by default the last axis (``quantized.hierarchy``). Complex arrays move
+  unquantized.
+  """
+  results: list[Any] = [None] * len(xs)
+  moves = quantization is not None and jax.lax.axis_size(axis_name) > 1
+  quantized = [i for i, x in enumerate(xs) if moves and _is_real(x)]
+  for i, (x, axis) in enumerate(zip(xs, axes, strict=True)):
+    if i not in quantized:
+      results[i] = jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
+  if quantized:
+    assert quantization is not None
+    sums = quantize.reduce_scatter_together(
+      [xs[i] for i in quantized],
+      axis_name,
+      [axes[i] for i in quantized],
+      quantization,
+      [_summed_in(xs[i]) for i in quantized],
+      inner_axes,
+    )
+    for i, summed in zip(quantized, sums, strict=True):
+      results[i] = summed
+  return results
 
 
 def all_reduce(
   x: jax.Array, axis_name: Any, quantization: quantize.Quantization | None = None
 ) -> jax.Array:
   """A ``psum``; with ``quantization``, a quantized reduce-scatter and all-gather."""
-  if quantization is None or not _is_real(x):
+  if quantization is None or not _is_real(x) or jax.lax.axis_size(axis_name) == 1:
     return jax.lax.psum(x, axis_name)
   return quantize.all_reduce(x, axis_name, quantization, _summed_in(x))
 

@@ -23,10 +23,12 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 #: The ``quantized_weights`` / ``quantized_gradients`` values and their bit widths.
 FORMATS = {"int8": 8, "int4": 4}
@@ -213,27 +215,183 @@ def all_gather(
   return pieces.reshape(shape)
 
 
+def hierarchy(
+  axis_name: Any, inner_axes: tuple[str, ...] | None = None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """The axes a quantized reduction over ``axis_name`` crosses first, and those it crosses after.
+
+  Inside ``jax.shard_map``. Over one axis of more than one device, one round:
+  ``((), axes)``. Over several, two, as ZeRO++'s hierarchical all-to-all:
+  first over the axes inside a node, ``inner_axes`` (hpZ's secondary axes) or
+  by default the last axis of ``axis_name`` (the innermost, the fast links
+  on a mesh that lists the axes across nodes first), then over the others.
+  Axes of one device are left out: nothing crosses them.
+
+  Example:
+    >>> import jax
+    >>> mesh = jax.make_mesh((2, 4), ("node", "data"))
+    >>> def rounds(x):
+    ...   print(hierarchy(("node", "data")), hierarchy(("data", "node"), ("data",)))
+    ...   return x
+    >>> _ = jax.shard_map(rounds, mesh=mesh, in_specs=jax.P(), out_specs=jax.P())(0.0)
+    (('data',), ('node',)) (('data',), ('node',))
+  """
+  axes = tuple(name for name in _names(axis_name) if jax.lax.axis_size(name) > 1)
+  named = inner_axes or _names(axis_name)[-1:]
+  inner = tuple(name for name in axes if name in named)
+  outer = tuple(name for name in axes if name not in inner)
+  if inner and outer:
+    return inner, outer
+  return (), axes or _names(axis_name)  # over devices of one axis, or of none (a round trip)
+
+
+def _names(axis_name: Any) -> tuple[str, ...]:
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
 def reduce_scatter(
-  x: jax.Array, axis_name: Any, axis: int, spec: Quantization, dtype: Any
+  x: jax.Array,
+  axis_name: Any,
+  axis: int,
+  spec: Quantization,
+  dtype: Any,
+  inner_axes: tuple[str, ...] | None = None,
 ) -> jax.Array:
-  """A tiled ``jax.lax.psum_scatter`` along ``axis`` built on a quantized all-to-all.
+  """A tiled ``jax.lax.psum_scatter`` along ``axis`` built on quantized all-to-alls.
 
   ``x.shape[axis]`` must divide by the number of devices. Each device cuts its
-  ``x`` into one chunk per device, quantizes every chunk and sends it to its
-  owner (``jax.lax.all_to_all``); each device then dequantizes the chunks it
-  received and sums them in float32, so no partial sum is ever quantized
-  again, and returns the sum as ``dtype``.
+  ``x`` into one chunk per device, quantizes the chunks and sends each to its
+  owner (``jax.lax.all_to_all``); the owner dequantizes the chunks it
+  received and sums them in float32, and returns the sum as ``dtype``.
+
+  Over several mesh axes it takes two rounds (``hierarchy``), ZeRO++'s
+  hierarchical qgZ: inside the node first, where each device receives, from
+  every device of its node, the chunks of every device that has its
+  coordinates on ``inner_axes``, and sums them; then that node-wide sum is
+  quantized again and sent across nodes, to the chunks' owners. A device thus
+  sends across nodes ``1 / (devices in a node)`` of ``x``, not all of it.
+  Each element of the result is off by at most the first round's half levels
+  (one per device, of its own chunk's block) plus the second round's (one per
+  node, of the block of its node's sum).
   """
-  count = jax.lax.axis_size(axis_name)
+  return reduce_scatter_together([x], axis_name, [axis], spec, [dtype], inner_axes)[0]
+
+
+def reduce_scatter_together(
+  xs: Sequence[jax.Array],
+  axis_name: Any,
+  axes: Sequence[int],
+  spec: Quantization,
+  dtypes: Sequence[Any],
+  inner_axes: tuple[str, ...] | None = None,
+) -> list[jax.Array]:
+  """``reduce_scatter`` of each of ``xs`` along its ``axes`` entry, in one all-to-all per round.
+
+  The arrays' codes and scales travel as the bytes of one buffer, so that a
+  layer's gradients pay one collective's latency per round, not two per array.
+  """
+  names = _names(axis_name)
+  inner, outer = hierarchy(axis_name, inner_axes)
+  chunks = [_device_major(x, axis, names, inner + outer) for x, axis in zip(xs, axes, strict=True)]
+  ranks = [x.ndim for x in xs]
+  if inner:
+    count = math.prod(jax.lax.axis_size(name) for name in inner)
+    chunks = [c.reshape(count, -1, *c.shape[1:]) for c in chunks]
+    chunks = _exchanged_sums(chunks, inner, spec, ranks)  # the node's sums, to send on
+  sums = _exchanged_sums(chunks, outer, spec, ranks)
+  return [summed.astype(dtype) for summed, dtype in zip(sums, dtypes, strict=True)]
+
+
+def _device_major(
+  x: jax.Array, axis: int, names: tuple[str, ...], order: tuple[str, ...]
+) -> jax.Array:
+  """``x`` cut along ``axis`` into a chunk per device of ``names``, the devices first, in ``order``.
+
+  Returns ``(devices, *x.shape)`` with ``axis`` shrunk to one chunk; the
+  devices of the axes in ``order`` are counted as ``order`` lists them (axes
+  of one device, which ``order`` leaves out, count for nothing).
+  """
+  sizes = [jax.lax.axis_size(name) for name in names]
   shape = list(x.shape)
-  shape[axis : axis + 1] = [count, shape[axis] // count]
-  chunks = jnp.moveaxis(x.reshape(shape), axis, 0)  # (devices, ..., chunk, ...)
-  blocks = quantize(chunks, spec, batch_dims=1)
-  received = Blocks(
-    *(jax.lax.all_to_all(b, axis_name, 0, 0, tiled=True) for b in blocks)
-  )  # row i: this device's chunk as device i quantized it
-  summed = jnp.sum(dequantize(received, spec, chunks.shape, jnp.float32), axis=0)
-  return summed.astype(dtype)
+  chunk = shape[axis] // math.prod(sizes)
+  split = x.reshape(*shape[:axis], *sizes, chunk, *shape[axis + 1 :])
+  devices = [axis + names.index(name) for name in order]
+  rest = [dim for dim in range(split.ndim) if dim not in devices]
+  return jnp.transpose(split, devices + rest).reshape(-1, *shape[:axis], chunk, *shape[axis + 1 :])
+
+
+def _exchanged_sums(
+  chunks: Sequence[jax.Array], axes: tuple[str, ...], spec: Quantization, ranks: Sequence[int]
+) -> list[jax.Array]:
+  """Row ``i`` of each of ``chunks`` sent quantized to device ``i`` of ``axes``; arrivals summed.
+
+  ``ranks`` holds each array's rank: its leading dimensions beyond it index
+  chunks (the devices of this round, and of the next one). What arrives is
+  summed in float32, after dequantizing: a sum of codes would overflow, and
+  would mix the senders' scales.
+
+  How the codes and scales move depends on the platform. On TPUs each
+  array's codes and its scales move in all-to-alls of their own: XLA:TPU
+  holds a concatenated buffer apart from its pieces (0.3-0.5 GiB more
+  temporaries on an 8-chip v5e, benchmarks/nodes.py's activation-heavy
+  model). Elsewhere every array's codes and scales travel as the bytes of one
+  buffer, one all-to-all a round: XLA:GPU prices each collective across nodes
+  at about 80 cycles before its first byte, and runs one at a time.
+  """
+  # Each chunk (one per device of the reduction, whichever round) is blocked on its own, so
+  # the blocks, and the numbers, do not depend on how the devices are grouped into rounds.
+  blocks = [
+    quantize(c, spec, batch_dims=c.ndim - rank) for c, rank in zip(chunks, ranks, strict=True)
+  ]
+  axis_name = axes[0] if len(axes) == 1 else axes
+  exchanged = _exchanged_apart if _platform() == "tpu" else _exchanged_together
+  arrived = exchanged(blocks, axis_name)
+  return [
+    jnp.sum(dequantize(b, spec, c.shape, jnp.float32), axis=0)
+    for c, b in zip(chunks, arrived, strict=True)
+  ]
+
+
+def _platform() -> str | None:
+  """The platform of the mesh being traced (``jax.shard_map``'s), if it says."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return getattr(device, "platform", None)
+
+
+def _exchanged_apart(blocks: list[Blocks], axis_name: Any) -> list[Blocks]:
+  """Row ``i`` of every array's codes and of its scales to device ``i``, each on its own."""
+  exchange = lambda x: jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+  return [Blocks(*map(exchange, b)) for b in blocks]
+
+
+def _exchanged_together(blocks: list[Blocks], axis_name: Any) -> list[Blocks]:
+  """Row ``i`` of every array's codes and scales to device ``i``, as the bytes of one buffer."""
+  packed = [_as_bytes(b) for b in blocks]
+  buffer = packed[0] if len(packed) == 1 else jnp.concatenate(packed, axis=1)
+  received = jax.lax.all_to_all(buffer, axis_name, 0, 0, tiled=True)
+  starts = np.cumsum([0] + [p.shape[1] for p in packed])
+  return [
+    _from_bytes(received[:, start : start + p.shape[1]], b)
+    for b, p, start in zip(blocks, packed, starts, strict=False)
+  ]
+
+
+def _as_bytes(blocks: Blocks) -> jax.Array:
+  """Each row's codes, then its scales' bytes: ``int8`` of shape ``(rows, bytes)``."""
+  rows = blocks.scales.shape[0]
+  codes = jax.lax.bitcast_convert_type(blocks.codes, jnp.int8).reshape(rows, -1)
+  scales = jax.lax.bitcast_convert_type(blocks.scales, jnp.int8).reshape(rows, -1)
+  return jnp.concatenate([codes, scales], axis=1)
+
+
+def _from_bytes(rows: jax.Array, like: Blocks) -> Blocks:
+  """The inverse of ``_as_bytes``, for blocks shaped as ``like``."""
+  count = rows.shape[0]
+  codes_shape = (count, *like.codes.shape[1:])
+  size = math.prod(codes_shape[1:])
+  codes = jax.lax.bitcast_convert_type(rows[:, :size].reshape(codes_shape), like.codes.dtype)
+  scales = rows[:, size:].reshape(count, *like.scales.shape[1:], 4)
+  return Blocks(codes, jax.lax.bitcast_convert_type(scales, jnp.float32))
 
 
 def all_reduce(x: jax.Array, axis_name: Any, spec: Quantization, dtype: Any) -> jax.Array:

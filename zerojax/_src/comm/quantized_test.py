@@ -137,3 +137,105 @@ def test_quantized_reduce_scatter_is_a_sum_within_one_half_level_per_device(spec
   chunks = np.asarray(x, np.float64).reshape(8, 8, 80)  # (sender, receiver, chunk)
   bound = np.sum(half_level(chunks, spec, batch_dims=2), axis=0).reshape(16, 40)
   assert np.all(np.abs(summed - exact) <= bound * (1 + 1e-4))
+
+
+# ------------------------------------------------------------- hierarchical (two rounds)
+
+NODES, PER_NODE = 2, 4
+
+
+def on_nodes(fn, x, axis_name):
+  """``fn`` on each device of a node=2 x data=4 mesh, device ``(n, d)`` given ``x[4n + d]``.
+
+  The results come back in the order of ``axis_name``'s devices, so that row
+  ``i`` is what device ``i`` of a reduction over ``axis_name`` owns.
+  """
+  mesh = jax.make_mesh((NODES, PER_NODE), ("node", "data"), axis_types=(AxisType.Auto,) * 2)
+  per_device = lambda s: fn(s[0])[None]
+  mapped = jax.shard_map(
+    per_device, mesh=mesh, in_specs=P(("node", "data")), out_specs=P(axis_name)
+  )
+  return np.asarray(jax.jit(mapped)(x))
+
+
+def two_round_bound(x, spec):
+  """Each element's largest allowed error after the two rounds, from the input alone.
+
+  ``x[4n + d]`` is device ``(n, d)``'s array, cut along axis 0 into 8
+  chunks, one per owner. Round 1: each device sends each chunk, quantized on
+  its own, to the device of its node that has the owner's ``data``
+  coordinate: off by half a level of the chunk's block, for each of the 8
+  senders (as in one round). Round 2: that device sends its node's sum of the
+  chunk, quantized on its own again, to the owner: off by half a level of
+  that sum's block, whose largest magnitude is at most the exact sum's plus
+  the first round's error, for each of the 2 nodes.
+  """
+  chunks = np.asarray(x, np.float64).reshape(NODES, PER_NODE, 8, -1)  # (node, data, chunk, .)
+  first = half_level(chunks, spec, batch_dims=3)  # each sender's chunk
+  node_first = np.sum(first, axis=1)  # (node, chunk, .)
+  partial = np.sum(chunks, axis=1)  # each node's exact sum of each chunk
+  second = half_level(np.abs(partial) + node_first, spec, batch_dims=2)
+  return np.sum(node_first + second, axis=0)  # (chunk, .)
+
+
+@pytest.mark.parametrize("spec", [INT8, INT4], ids=str)
+@pytest.mark.parametrize("axis_name", [("node", "data"), ("data", "node")], ids=str)
+def test_hierarchical_reduce_scatter_is_a_sum_within_two_rounds_of_half_levels(spec, axis_name):
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(8, 16, 40)) * rng.uniform(0.1, 10, size=(8, 1, 1)), jnp.float32)
+  inner = ("data",) if axis_name[0] == "data" else None  # hpZ's order names its inner axis
+  scatter = lambda s: quantize.reduce_scatter(s, axis_name, 0, spec, jnp.float32, inner)
+  summed = on_nodes(scatter, x, axis_name).reshape(8, -1)  # row c: chunk c, summed
+  exact = np.sum(np.asarray(x, np.float64), axis=0).reshape(8, -1)
+  bound = two_round_bound(x, spec)
+  assert np.all(np.abs(summed - exact) <= bound * (1 + 1e-4))
+
+
+def test_hierarchical_reduce_scatter_sends_a_nodes_share_across_nodes():
+  mesh = jax.make_mesh((NODES, PER_NODE), ("node", "data"))
+  spec = P(("node", "data"))
+  x = jax.ShapeDtypeStruct((8 * 64, 1024), jnp.float32, sharding=jax.NamedSharding(mesh, spec))
+  scatter = lambda s: quantize.reduce_scatter(s, ("node", "data"), 0, INT8, jnp.float32)
+  mapped = jax.shard_map(scatter, mesh=mesh, in_specs=spec, out_specs=spec)
+  compiled = jax.jit(mapped).lower(x).compile()
+  moved = zerojax_counts(compiled, mesh)
+  local = INT8.moved_bytes(64 * 1024)  # one device's array, quantized
+  # Inside the node, all of it (its chunks for the node's 4 devices); across, a quarter.
+  assert moved[("data",)] == local
+  assert moved[("node",)] == local // PER_NODE
+  assert ("node", "data") not in moved
+
+
+def zerojax_counts(compiled, mesh):
+  from zerojax._src.diagnostics import hlo
+
+  counted = hlo.count_collectives_by_axes(compiled, mesh)
+  return {axes: kinds["all-to-all"].bytes for axes, kinds in counted.items()}
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_non_finite_element_survives_both_rounds(bad):
+  x = np.ones((8, 16, 40), np.float32)
+  x[5, 3, 7] = bad  # sender (1, 1); row 3 is in chunk 1, owned by device (0, 1)
+  scatter = lambda s: quantize.reduce_scatter(s, ("node", "data"), 0, INT8, jnp.float32)
+  summed = on_nodes(scatter, x, ("node", "data")).reshape(NODES, PER_NODE, -1)
+  assert np.isnan(summed[0, 1]).any()
+  # Each chunk is its own block in both rounds: every other device's sum is finite.
+  assert np.isfinite(np.delete(summed.reshape(8, -1), 1, axis=0)).all()
+
+
+def test_codes_and_scales_moved_apart_give_the_same_sums(monkeypatch):
+  # TPUs move each array's codes and scales in all-to-alls of their own, other platforms as
+  # one buffer of bytes: the same blocks arrive either way, so the same sums.
+  x = jnp.asarray(np.random.default_rng(6).normal(size=(8, 16, 40)), jnp.float32)
+
+  def both(s):
+    sums = quantize.reduce_scatter_together(
+      [s, s[:8] * 3], ("node", "data"), [0, 0], INT4, [jnp.float32] * 2
+    )
+    return jnp.concatenate([summed.ravel() for summed in sums])
+
+  together = on_nodes(both, x, ("node", "data"))
+  monkeypatch.setattr(quantize, "_exchanged_together", quantize._exchanged_apart)
+  apart = on_nodes(both, x, ("node", "data"))
+  np.testing.assert_array_equal(apart, together)

@@ -528,8 +528,13 @@ def zero3(
       reduce-scatter of ``zerojax.value_and_grad`` into an all-to-all of
       block-quantized chunks that each device sums in float32 (ZeRO++'s
       qgZ); with ``replica_axis``, the shard's sum across replicas becomes a
-      quantized all-to-all and all-gather too. Replicated small leaves stay
-      unquantized. ``None`` by default.
+      quantized all-to-all and all-gather too. Over several data axes
+      (``axis_name=("node", "data")``) the reduction is ZeRO++'s hierarchical
+      one: an all-to-all inside each node first, over ``secondary_axis`` or
+      else the last axis of ``axis_name`` (list the axes across nodes first),
+      whose sums are quantized again and sent across nodes, so that a node
+      sends its share of the gradient across, not each device's whole one.
+      Replicated small leaves stay unquantized. ``None`` by default.
     quantization_block_size: elements per scale (even; 256 by default).
     offload: ``"optimizer"`` keeps the optimizer state in host memory
       (``memory_kind="pinned_host"``, split as it would be on the devices)
