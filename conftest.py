@@ -27,7 +27,7 @@ MODULE_SECONDS = {
   "test_docs": 75,
   "test_flax": 66,
   "test_big_models": 60,
-  "test_accelerators": 53,
+  "test_accelerators": 80,
   "test_quantize": 46,
   "test_pipeline_models": 45,
   "test_nonfinite": 45,

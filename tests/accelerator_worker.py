@@ -6,12 +6,14 @@ when they load): ``python tests/accelerator_worker.py TARGET OUT.json [SETUP ...
 each setup (plain data parallelism, GSPMD FSDP, zero1, zero2, zero3 on its
 paths) it writes the compiled step's per-device arguments and temporaries,
 its layer loops (``zerojax.diagnostics.loop_collectives``) and, on GPU, XLA's estimate of
-the step from its scheduler's log.
+the step from its scheduler's log. Setups whose names end in "(biased)" train a second model:
+bfloat16 compute, a bias per matrix, and a hidden width no mesh axis divides (padded shards).
 """
 
 import argparse
 import dataclasses
 import json
+import re
 import sys
 
 import jax
@@ -30,6 +32,9 @@ from zerojax.diagnostics import (
 )
 
 LAYERS, D, F = 4, 512, 1536
+#: The biased model's hidden width (8 devices do not divide it, so its shards are padded) and
+#: depth: deep enough that a copy of every layer's shard (2 layers of it) shows.
+ODD, BIASED_LAYERS = 1500, 16
 #: Tokens a step, by platform. XLA:TPU's compile time grows with them (three programs: 46 s of
 #: CPU at 4096 tokens, 17 s at 1024) and its temporaries tell the paths apart as well at 1024
 #: (a zero3 that packed each layer's leaves into one byte buffer per all-gather, as zerojax once
@@ -45,7 +50,14 @@ def abstract(tree, shardings):
   )
 
 
-def full_params():
+def full_params(biased=False):
+  if biased:
+    return {
+      "up": jax.ShapeDtypeStruct((BIASED_LAYERS, D, ODD), jnp.float32),
+      "up_bias": jax.ShapeDtypeStruct((BIASED_LAYERS, ODD), jnp.float32),
+      "down": jax.ShapeDtypeStruct((BIASED_LAYERS, ODD, D), jnp.float32),
+      "down_bias": jax.ShapeDtypeStruct((BIASED_LAYERS, D), jnp.float32),
+    }
   return {
     "up": jax.ShapeDtypeStruct((LAYERS, D, F), jnp.float32),
     "down": jax.ShapeDtypeStruct((LAYERS, F, D), jnp.float32),
@@ -53,6 +65,11 @@ def full_params():
 
 
 def block(h, w):
+  if "up_bias" in w:  # the biased model, in bfloat16 (a no-op where the weights arrive in it)
+    w = jax.tree.map(lambda x: x.astype(jnp.bfloat16), w)
+    x = h.astype(jnp.bfloat16)
+    delta = jax.nn.gelu(x @ w["up"] + w["up_bias"]) @ w["down"] + w["down_bias"]
+    return h + delta.astype(h.dtype), None
   return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
 
 
@@ -67,14 +84,28 @@ def plain_step(opt, loss, arrays=lambda params: params):
   return step
 
 
-def gspmd(mesh, spec):
+def fsdp_spec(shape):
+  """GSPMD FSDP's split: the first dimension after the layer axis that 8 divides, else none."""
+  dims = [None] * len(shape)
+  for axis in range(1, len(shape)):
+    if shape[axis] % 8 == 0:
+      dims[axis] = "data"
+      return P(*dims)
+  return P()  # a bias of the odd width stays whole: a NamedSharding cannot pad it
+
+
+def gspmd(mesh, spec, biased=False):
   """Plain JAX with parameters and Adam state placed by ``spec`` (``P()``: plain DP)."""
   opt = optax.adam(1e-3)
-  sharding = NamedSharding(mesh, spec)
-  params = abstract(full_params(), jax.tree.map(lambda _: sharding, full_params()))
+  full = full_params(biased)
+  specs = jax.tree.map(lambda x: fsdp_spec(x.shape) if spec != P() else P(), full)
+  params = abstract(full, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
   state = jax.eval_shape(opt.init, params)
+  leaves = zip(jax.tree.leaves(full), jax.tree.leaves(params), strict=True)
+  by_shape = {x.shape: s.sharding for x, s in leaves}
   state = abstract(
-    state, jax.tree.map(lambda x: sharding if x.ndim else NamedSharding(mesh, P()), state)
+    state,
+    jax.tree.map(lambda x: by_shape[x.shape] if x.ndim else NamedSharding(mesh, P()), state),
   )
   batch = NamedSharding(mesh, P("data"))
 
@@ -86,11 +117,18 @@ def gspmd(mesh, spec):
   return plain_step(opt, loss), (params, state)
 
 
-def zero(mesh, stage, stack=None):
-  """zerojax's ``stage``: ``stack`` runs the layers on the explicit path, else drop-in."""
-  tx = getattr(zerojax, f"zero{stage}")(optax.adam(1e-3), mesh=mesh)
-  params = abstract(jax.eval_shape(tx.shard, full_params()), tx.param_shardings(full_params()))
-  state = abstract(jax.eval_shape(tx.init, params), tx.state_shardings(full_params()))
+def zero(mesh, stage, stack=None, biased=False):
+  """zerojax's ``stage``: ``stack`` runs the layers on the explicit path, else drop-in.
+
+  The biased model gathers and reduces in bfloat16 and shards every leaf, the biases too.
+  """
+  # Gradients reduced in bfloat16 too, as GSPMD FSDP reduces those of the bfloat16 casts.
+  bf16 = zerojax.Precision(params="fp32", compute="bf16", reduce="bf16")
+  options = dict(precision=bf16, min_shard_size=1) if biased else {}
+  tx = getattr(zerojax, f"zero{stage}")(optax.adam(1e-3), mesh=mesh, **options)
+  full = full_params(biased)
+  params = abstract(jax.eval_shape(tx.shard, full), tx.param_shardings(full))
+  state = abstract(jax.eval_shape(tx.init, params), tx.state_shardings(full))
   if stack is None:
     return gspmd_loss_step(tx, mesh), (params, state)
 
@@ -137,7 +175,28 @@ def setups(target):
     "zero3 scan, deferred reductions": lambda: (zero(explicit, 3, stack="defer"), explicit),
     "zero3 gather": lambda: (zero(explicit, 3, stack="gather"), explicit),
     "zero3 drop-in": lambda: (zero(auto, 3), auto),
+    "GSPMD FSDP (biased)": lambda: (gspmd(auto, P(None, "data"), biased=True), auto),
+    "zero3 scan (biased)": lambda: (zero(explicit, 3, stack=1, biased=True), explicit),
+    "zero3 scan, prefetch=0 (biased)": lambda: (
+      zero(explicit, 3, stack=0, biased=True),
+      explicit,
+    ),
+    "zero3 gather (biased)": lambda: (zero(explicit, 3, stack="gather", biased=True), explicit),
   }
+
+
+def narrowed_stacks(text, params):
+  """How many ``convert`` s in the program make a bfloat16 copy of a stacked parameter's shard.
+
+  XLA:TPU's bfloat16 propagation makes one of a float32 stack whose only use in a layer loop
+  is a slice cast to bfloat16: every layer's shard, alive through the loop.
+  """
+  shapes = set()
+  for leaf in jax.tree.leaves(params):
+    local = leaf.sharding.shard_shape(leaf.shape)
+    if len(local) >= 2 and local[0] in (LAYERS, BIASED_LAYERS):
+      shapes.add(",".join(map(str, local)))
+  return sum(len(re.findall(rf"= bf16\[{shape}\]\S* convert\(", text)) for shape in shapes)
 
 
 def measure(target, build):
@@ -153,6 +212,7 @@ def measure(target, build):
     "arguments": memory.argument_size_in_bytes,
     "temporaries": memory.temp_size_in_bytes,
     "loops": [dataclasses.asdict(loop) for loop in zerojax.diagnostics.loop_collectives(compiled)],
+    "narrowed_stacks": narrowed_stacks(compiled.as_text(), params),
   }
   if platform == "cuda":
     estimate = scheduler_estimate(log[0], compiled)

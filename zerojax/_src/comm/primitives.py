@@ -10,7 +10,8 @@ where a bitcast to bytes is emulated, cost temporaries several times a layer's
 size (docs/performance.md has the measurements).
 
 Each collective casts on the way: a weight to the compute dtype before its
-all-gather (so a bfloat16 policy moves half the bytes), a gradient to the
+all-gather (so a bfloat16 policy moves half the bytes; float32 to bfloat16 by
+rounding the bits, ``narrowed_bits``, which XLA cannot hoist), a gradient to the
 reduce dtype before its reduce-scatter. With quantization
 (``quantized_weights``, ``quantized_gradients``) a weight's all-gather moves
 its block-quantized codes and their scales (two collectives), and a
@@ -41,6 +42,36 @@ def as_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
+def narrowed_bits(x: jax.Array, dtype: Any) -> jax.Array:
+  """The bits of ``x.astype(dtype)``, as ``as_bits`` gives them, computed so XLA keeps them small.
+
+  A float32 weight narrowed to bfloat16 is rounded here in integer arithmetic
+  on its bits (round to nearest even, as ``astype`` does; NaNs stay NaNs):
+  the same bits, but no ``convert`` for XLA to move. Given a layer sliced from
+  a stack of them in a loop, ``x.astype`` lets XLA:TPU's bfloat16
+  propagation narrow the whole stack before the loop instead, a bfloat16 copy
+  of every layer's shard alive for the whole loop (docs/performance.md).
+  Other dtypes are cast with ``astype``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from zerojax._src.comm import primitives
+    >>> x = jnp.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, jnp.inf])
+    >>> bool(jnp.all(primitives.narrowed_bits(x, jnp.bfloat16)
+    ...               == primitives.as_bits(x.astype(jnp.bfloat16))))
+    True
+  """
+  if x.dtype != jnp.float32 or jnp.dtype(dtype) != jnp.bfloat16:
+    return as_bits(x.astype(dtype))
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  # Adding 0x7fff, plus one when the kept part is odd, carries into the kept 16 bits exactly
+  # when the dropped half is above one half, or equal to it with the kept part odd.
+  rounded = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16
+  nan = (bits & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F800000)
+  quiet = (bits >> 16) | jnp.uint32(0x0040)  # a NaN whose payload was all in the dropped bits
+  return jnp.where(nan, quiet, rounded).astype(jnp.uint16)
+
+
 def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
   """The inverse of ``as_bits``."""
   return jax.lax.bitcast_convert_type(bits, dtype)
@@ -65,7 +96,7 @@ def all_gather(
     return quantize.all_gather(x, axis_name, axis, quantization, dtype)
   if x.dtype == dtype:
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
-  bits = as_bits(x.astype(dtype))
+  bits = narrowed_bits(x, dtype)
   return from_bits(jax.lax.all_gather(bits, axis_name, axis=axis, tiled=True), dtype)
 
 
