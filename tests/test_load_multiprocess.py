@@ -17,13 +17,13 @@ def test_each_process_reads_and_holds_only_its_half(tmp_path):
   done = subprocess.run(
     [
       *(sys.executable, "-m", "zerojax_launch", "-n", "2", "--devices-per-process", "4"),
-      *("--timeout", "120", "tests/load_worker.py", str(tmp_path)),
+      *("--timeout", "300", "tests/load_worker.py", str(tmp_path)),
     ],
     cwd=environment.ROOT,
     env=environment.subprocess_env(),
     capture_output=True,
     text=True,
-    timeout=150,
+    timeout=330,
   )
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
   layers = {0: ["layers.0", "layers.1"], 1: ["layers.2", "layers.3"]}
