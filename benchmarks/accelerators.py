@@ -45,6 +45,7 @@ import report
 import setups as setups_lib
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from measure import gpu_estimate
 from model import AXIS
 
 import zerojax
@@ -161,13 +162,7 @@ def measure(setup: setups_lib.Setup, target: str) -> dict[str, Any]:
     ],
   }
   if deviceless_target(target).platform == "cuda":
-    estimate = zerojax.diagnostics.scheduler_estimate(log[0], compiled)
-    result |= {
-      "cycles": estimate.cycles,
-      "wasted": estimate.wasted,
-      "loop waiting": [loop.waiting for loop in estimate.loops],
-      "silent": list(estimate.silent),
-    }
+    result |= gpu_estimate(log[0], compiled)
   return result
 
 

@@ -197,3 +197,16 @@ def results(setups: list[Setup], times, ratios, psi: int, n: int) -> list[dict[s
       }
     )
   return rows
+
+
+def gpu_estimate(log: str, compiled: jax.stages.Compiled) -> dict[str, Any]:
+  """XLA:GPU's estimate of ``compiled`` from its scheduler ``log``, as the accelerator
+  benchmarks record it: total and waiting cycles, each loop's waiting share, and the
+  computations that logged nothing."""
+  estimate = zerojax.diagnostics.scheduler_estimate(log, compiled)
+  return {
+    "cycles": estimate.cycles,
+    "wasted": estimate.wasted,
+    "loop waiting": [loop.waiting for loop in estimate.loops],
+    "silent": list(estimate.silent),
+  }

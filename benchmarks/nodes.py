@@ -169,13 +169,7 @@ def measure_setup(setup: setups_lib.Setup, target: str, mesh) -> dict[str, Any]:
   else:
     result["across slices"] = dcn_bytes(text, slices, mesh.size // slices)
   if deviceless_target(target).platform == "cuda":
-    estimate = zerojax.diagnostics.scheduler_estimate(log[0], compiled)
-    result |= {
-      "cycles": estimate.cycles,
-      "wasted": estimate.wasted,
-      "loop waiting": [loop.waiting for loop in estimate.loops],
-      "silent": list(estimate.silent),
-    }
+    result |= measure.gpu_estimate(log[0], compiled)
   return result
 
 
