@@ -50,7 +50,8 @@ def make_batch(seed=1):
 
 
 def loss_fn(params, x, y, prefetch):
-  """The loss; ``prefetch`` is 0, 1, or "defer" (1, each reduction one iteration late)."""
+  """The loss; ``prefetch`` is 0, 1, "defer" (1, each reduction one iteration late) or
+  "default" (1, reductions deferred as ``zerojax.scan`` chooses)."""
   top = zerojax.gather({"embed": params["embed"], "head": params["head"]})
 
   def layer(h, w):
@@ -58,7 +59,9 @@ def loss_fn(params, x, y, prefetch):
     normed = normed * w["scale"] + w["shift"]
     return h + jnp.tanh(normed @ w["w_in"] + w["b_in"]) @ w["w_out"] + w["b_out"], jnp.mean(h)
 
-  options = dict(prefetch=0 if prefetch == 0 else 1, defer_reductions=prefetch == "defer")
+  options = dict(prefetch=0 if prefetch == 0 else 1)
+  if prefetch != "default":
+    options["defer_reductions"] = prefetch == "defer"
   h, means = zerojax.scan(layer, x @ top["embed"], params["layers"], **options)
   return jnp.mean((h @ top["head"] - y) ** 2) + 1e-3 * jnp.sum(means)
 
@@ -68,6 +71,8 @@ def make_mesh(kind):
     return jax.make_mesh((2, 4), ("replica", "data"), (AxisType.Auto,) * 2)
   if kind == "tensor":
     return jax.make_mesh((4, 2), ("data", "model"), (AxisType.Auto,) * 2)
+  if kind in ("nodes", "one node"):
+    return jax.make_mesh((2, 4) if kind == "nodes" else (1, 8), ("node", "data"))
   types = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[kind]
   return jax.make_mesh((8,), ("data",), (types,))
 
@@ -76,6 +81,8 @@ def transformation(stage, mesh_kind="explicit", **options):
   options.setdefault("min_shard_size", 1)
   if mesh_kind == "hybrid":
     options["replica_axis"] = "replica"
+  if mesh_kind in ("nodes", "one node"):
+    options["axis_name"] = ("node", "data")
   return getattr(zerojax, f"zero{stage}")(optax.adam(1e-2), mesh=make_mesh(mesh_kind), **options)
 
 
@@ -119,6 +126,24 @@ def test_prefetched_loops_compute_only_what_the_previous_iteration_gathered(opti
   assert loops[1].waiting_reductions > 0
   for loop in layer_loops(compiled(3, "defer", **options)):
     assert loop.waiting_gathers == loop.waiting_reductions == 0, loop  # test 2
+
+
+@pytest.mark.parametrize(
+  ("mesh_kind", "options", "deferred"),
+  [
+    ("explicit", {}, False),
+    ("one node", {}, False),
+    ("nodes", {}, True),
+    ("explicit", {"quantized_gradients": "int8"}, True),
+    ("auto", {"quantized_gradients": "int8"}, True),
+  ],
+  ids=["one axis", "one node of two axes", "two nodes", "qgZ", "qgZ auto"],
+)
+def test_reductions_are_deferred_by_default_where_they_run_in_rounds(mesh_kind, options, deferred):
+  # Quantized gradients (all-to-alls) and reductions across nodes are deferred by default,
+  # at the price of one more layer's gradient alive; a plain reduction on one axis is not.
+  _, backward = layer_loops(compiled(3, "default", mesh_kind=mesh_kind, **options))
+  assert (backward.waiting_reductions == 0) == deferred, backward
 
 
 @pytest.mark.parametrize("options", [{}, {"quantized_weights": "int8"}], ids=["fp32", "int8"])

@@ -118,7 +118,7 @@ def scan(
   length: int,
   prefetch: int = 1,
   policy: Callable[..., bool] | str | None = None,
-  defer_reductions: bool = False,
+  defer_reductions: bool | None = None,
 ) -> type[nn.Module]:
   """``nn.scan`` of a layer over stacked parameters, run by ``zerojax.scan``.
 

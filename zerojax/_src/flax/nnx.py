@@ -179,7 +179,7 @@ def scan(
   *,
   prefetch: int = 1,
   policy: Callable[..., bool] | str | None = None,
-  defer_reductions: bool = False,
+  defer_reductions: bool | None = None,
 ) -> tuple[Any, Any]:
   """``zerojax.scan`` over a stack of NNX layers (one module with stacked state, from ``nnx.vmap``).
 
