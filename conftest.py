@@ -40,6 +40,7 @@ MODULE_SECONDS = {
   "ordering_test": 26,
   "test_bad_input": 24,
   "quantized_test": 16,
+  "test_huggingface": 15,
   "test_forward": 13,
   "test_nodes": 13,
   "linen": 12,
