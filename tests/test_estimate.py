@@ -334,16 +334,16 @@ SCANNED_PARAMS = SCANNED_LAYERS * WIDTH * WIDTH
 
 
 @functools.cache
-def measured_across_nodes(axis_type, secondary_axis=None, weights=None, gradients=None):
-  """Bytes per device of a compiled zero3 step's collectives, by the mesh axes each spans."""
+def measured_across_nodes(axis_type, stage, secondary_axis=None, weights=None, gradients=None):
+  """Bytes per device of a compiled step's collectives, by the mesh axes each spans."""
   mesh = jax.make_mesh((2, 4), NODES, axis_types=(axis_type,) * 2)
-  tx = zerojax.zero3(
+  options = dict(secondary_axis=secondary_axis, quantized_weights=weights)
+  tx = getattr(zerojax, f"zero{stage}")(
     optax.sgd(0.1),
     mesh=mesh,
     axis_name=NODES,
-    secondary_axis=secondary_axis,
-    quantized_weights=weights,
     quantized_gradients=gradients,
+    **{name: value for name, value in options.items() if value is not None},
   )
   layers = jax.random.normal(jax.random.key(0), (SCANNED_LAYERS, WIDTH, WIDTH)) / WIDTH**0.5
   params = tx.shard({"layers": layers})
@@ -369,18 +369,23 @@ def measured_across_nodes(axis_type, secondary_axis=None, weights=None, gradient
 
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
 @pytest.mark.parametrize(
-  "secondary_axis, weights, gradients",
-  [(None, None, None), (None, None, "int8"), ("data", "int8", "int8")],
-  ids=["zero3", "qgZ", "hpZ+qwZ+qgZ"],
+  "stage, secondary_axis, weights, gradients",
+  [
+    (3, None, None, None),
+    (3, None, None, "int8"),
+    (3, "data", "int8", "int8"),
+    (2, None, None, "int8"),
+  ],
+  ids=["zero3", "qgZ", "hpZ+qwZ+qgZ", "zero2 qgZ"],
 )
 def test_communication_estimate_per_axis_is_what_zerojax_scan_moves_across_nodes(
-  secondary_axis, weights, gradients, axis_type
+  stage, secondary_axis, weights, gradients, axis_type
 ):
   hpz = secondary_axis is not None
   estimate = zerojax.estimate_communication(
     SCANNED_PARAMS,
     num_devices=8,
-    stage=3,
+    stage=stage,
     param_bytes=4,
     grad_bytes=4,
     quantized_weights=weights,
@@ -388,9 +393,10 @@ def test_communication_estimate_per_axis_is_what_zerojax_scan_moves_across_nodes
     # hpZ's secondary axis is the node's; without hpZ, the last of axis_name (qgZ's inner round).
     **(dict(secondary_devices=4) if hpz else dict(devices_per_node=4)),
   )
-  # zerojax.scan keeps the last layer's gathered weights for the backward pass, so it gathers
-  # the weights 2L - 1 times where the estimate (remat) counts 2L.
-  kept = (2 * SCANNED_LAYERS - 1) / (2 * SCANNED_LAYERS)
+  # zerojax.scan keeps the last layer's gathered weights for the backward pass, so zero3
+  # gathers the weights 2L - 1 times where the estimate (remat) counts 2L. Stage 2 gathers the
+  # updated parameters once.
+  kept = (2 * SCANNED_LAYERS - 1) / (2 * SCANNED_LAYERS) if stage == 3 else 1
   one_round_reduction = gradients is None
   predicted = {
     # In one round over every data axis: zero3's gathers, the unquantized reduce-scatter.
@@ -403,7 +409,7 @@ def test_communication_estimate_per_axis_is_what_zerojax_scan_moves_across_nodes
     ("data",): kept * estimate.secondary_gathers + estimate.inner_reductions,
   }
   predicted = {axes: moved for axes, moved in predicted.items() if moved}
-  measured = measured_across_nodes(axis_type, secondary_axis, weights, gradients)
+  measured = measured_across_nodes(axis_type, stage, secondary_axis, weights, gradients)
   measured = {axes: moved for axes, moved in measured.items() if moved}
   # No padding (each device's chunk is whole 256-element blocks), so equal but for rounding
   # to whole blocks; 0.1% would notice the int8 scales (1.6% of the codes) going missing.
