@@ -483,7 +483,9 @@ def _over_data_axes(
   return _Link(0.0, moved(num_elements))
 
 
-def _payload(quantization: quantize.Quantization | None, element_bytes: float):
+def _payload(
+  quantization: quantize.Quantization | None, element_bytes: float
+) -> Callable[[float], float]:
   """``n -> bytes`` of a collective of ``n`` elements: quantized, or ``element_bytes`` each."""
   if quantization is None:
     return lambda num_elements: float(num_elements * element_bytes)
@@ -669,7 +671,7 @@ def estimate_communication(
   if num_devices == 1:  # over a data axis of one device nothing moves
     return _communication(0.0, 0.0, across)
   weight_payload = _payload(weights, param_bytes)
-  if nodes == 1:  # one round over every data axis, each pass
+  if nodes == 1:  # one round over every data axis, each pass (over nodes in two: pass per_node)
     gather = _over_data_axes(num_params, num_devices, 1, weight_payload)
     weight_gathers, inside = passes * gather.across, passes * gather.inside
   else:  # hpZ: across nodes in the forward pass only, inside the node every pass, unquantized
@@ -677,8 +679,8 @@ def estimate_communication(
       num_params, num_devices, per_node, weight_payload, _payload(None, param_bytes)
     )
     weight_gathers, inside = gather.across, passes * gather.inside
-  # zerojax's quantized reduce-scatter runs in rounds over nodes (quantized.hierarchy); XLA's
-  # reduce-scatter in one, over every data axis.
+  # zerojax's quantized reduce-scatter runs in rounds over nodes (quantized.hierarchy); the
+  # unquantized one in one, over every data axis.
   reduction = _over_data_axes(
     num_params, num_devices, per_node if gradients else 1, _payload(gradients, grad_bytes)
   )
