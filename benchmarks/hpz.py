@@ -149,6 +149,8 @@ def measure(name: str, config: mlp.MlpConfig, path: str) -> dict:
 def _predicted(config: mlp.MlpConfig, tx, mesh) -> dict:
   """``zerojax.estimate_communication`` and ``estimate_memory``'s predictions."""
   secondary = None if tx.secondary_axis is None else mesh.shape[tx.secondary_axis]
+  # The data axes over nodes: the last is the node's (qgZ's round inside), unless hpZ names it.
+  per_node = mesh.shape[tx.data_axes[-1]] if len(tx.data_axes) > 1 and secondary is None else None
   bits = lambda quantization: None if quantization is None else f"int{quantization.bits}"
   param_bytes = np.dtype(tx.precision.compute_dtype(np.float32)).itemsize
   communication = zerojax.estimate_communication(
@@ -161,6 +163,7 @@ def _predicted(config: mlp.MlpConfig, tx, mesh) -> dict:
     param_bytes=param_bytes,
     grad_bytes=np.dtype(tx.precision.reduce_dtype(np.float32)).itemsize,
     secondary_devices=secondary,
+    devices_per_node=per_node,
   )
   memory = zerojax.estimate_memory(
     config.parameters,
@@ -194,8 +197,8 @@ def report(results: dict, config: mlp.MlpConfig, path: str) -> str:
     predicted = r["predicted"]["communication"]
     if SETUPS[name].get("replica_axis") == "node":  # only the sum across replicas crosses
       across = predicted["replica_reductions"]
-    else:  # everything but hpZ's gathers inside the node
-      across = predicted["total"] - predicted["secondary_gathers"]
+    else:  # everything but hpZ's gathers and qgZ's first round, inside the node
+      across = predicted["total"] - predicted["secondary_gathers"] - predicted["inner_reductions"]
     inside = predicted["total"] - across
     lines.append(
       f"| {name} | "

@@ -332,13 +332,25 @@ def test_the_estimator_refuses_hpz_where_it_cannot_be():
 
 
 def test_the_command_line_compares_zero3_with_and_without_hpz():
-  text = estimate_cli.main(["--params", "7.5e9", "--devices", "8", "64", "--secondary", "8"])
-  table = text.split("zero3 with hpZ, 8 devices per node")[1].splitlines()
-  rows = {line.split()[0]: line.split()[1:] for line in table if line.strip()[:1].isdigit()}
+  def rows(*flags):
+    text = estimate_cli.main(
+      ["--params", "7.5e9", "--devices", "8", "64", "--secondary", "8", *flags]
+    )
+    table = text.split("zero3 with hpZ, 8 devices per node")[1].splitlines()
+    return {line.split()[0]: line.split()[1:] for line in table if line.strip()[:1].isdigit()}
+
   # 8 devices are one node: no hpZ. On 64, the secondary partitions (Ψ x 2 B / 8) double
   # what a device holds, and only the forward pass's gather of them and the gradients cross.
-  assert rows["8"] == ["-"] * 5
-  assert rows["64"] == ["1.88", "1.88", "45.00", "16.88", "30.00"]
+  plain = rows()
+  assert plain["8"] == ["-"] * 6
+  assert plain["64"] == ["1.88", "1.88", "45.00", "0.00", "16.88", "30.00"]
+  # int8 (a byte and 4/256 of scale an element): zero3 and hpZ sum the gradients inside the
+  # node first (1.016Ψ), and send the node's sums across (1.016Ψ / 8); hpZ's forward gather
+  # across is int8 too, its gathers inside the node bf16.
+  int8 = 7.5e9 * (1 + 4 / 256)
+  quantized = rows("--quantized-weights", "int8", "--quantized-gradients", "int8")
+  cells = (2 * int8 + int8 / 8, int8, int8 / 8 + int8 / 8, 2 * 2 * 7.5e9 + int8)
+  assert quantized["64"] == ["1.88", "1.88", *(f"{moved / 1e9:.2f}" for moved in cells)]
 
 
 def test_checkpoints_move_between_full_sharding_and_hpz(tmp_path):

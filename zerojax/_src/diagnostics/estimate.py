@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -114,6 +115,34 @@ def _nodes(
       "num_devices=64, secondary_devices=8 for 8 nodes of 8."
     )
   return num_devices // secondary_devices
+
+
+def _devices_per_node(
+  num_devices: int, devices_per_node: int | None, secondary_devices: int | None
+) -> int:
+  """The devices of a node's data axes: ``devices_per_node``, else hpZ's, else 1 (one round).
+
+  Raises:
+    ValueError: for a count that is not whole, does not divide ``num_devices``,
+      or differs from ``secondary_devices``.
+  """
+  if devices_per_node is None:
+    return secondary_devices or 1
+  if not hasattr(devices_per_node, "__index__") or isinstance(devices_per_node, bool):
+    raise ValueError(f"devices_per_node must be a whole number, got {devices_per_node!r}.")
+  if devices_per_node < 1 or num_devices % devices_per_node:
+    raise ValueError(
+      f"devices_per_node={devices_per_node} must divide num_devices={num_devices}: it is the "
+      "size of the data axes inside a node (the last axis of axis_name, or hpZ's secondary "
+      "axes), e.g. num_devices=64, devices_per_node=8 for 8 nodes of 8."
+    )
+  if secondary_devices is not None and devices_per_node != secondary_devices:
+    raise ValueError(
+      f"devices_per_node={devices_per_node} differs from secondary_devices={secondary_devices}: "
+      "under hpZ the secondary axes are the node's, and qgZ's first round runs over them. "
+      "Leave devices_per_node out."
+    )
+  return int(devices_per_node)
 
 
 def _share(splits: bool, whole: float, split: float, num_devices: int) -> float:
@@ -374,7 +403,9 @@ class CommunicationEstimate(NamedTuple):
       updated parameters after the optimizer step.
     gradient_reductions: the gradient reduce-scatters over the data axes
       (all-to-alls of quantized chunks with ``quantized_gradients``), or plain
-      data parallelism's all-reduce.
+      data parallelism's all-reduce. Quantized over nodes (ZeRO++'s
+      hierarchical qgZ), only the second round: the all-to-all across nodes
+      of each node's sums, 1/(devices per node) of the gradients.
     replica_reductions: hybrid sharding's all-reduce of the gradient shard
       across replicas.
     total: the sum.
@@ -383,6 +414,11 @@ class CommunicationEstimate(NamedTuple):
       and backward under remat); ``weight_gathers`` then holds only the
       all-gathers across nodes, which leave each device its secondary
       partition. 0 without hpZ.
+    inner_reductions: hierarchical qgZ's first round: the all-to-all inside
+      the node, over its data axes, of each device's whole quantized
+      gradient, which the receivers sum in float32 before the second round
+      sends the sums across nodes. 0 without quantized gradients over nodes
+      (``devices_per_node`` or ``secondary_devices``).
 
   Example:
     Stage 1 gathers the updated bf16 parameters as often as it reduces bf16 gradients:
@@ -398,6 +434,62 @@ class CommunicationEstimate(NamedTuple):
   replica_reductions: float
   total: float
   secondary_gathers: float = 0.0
+  inner_reductions: float = 0.0
+
+  @property
+  def inside_nodes(self) -> float:
+    """What moves over the data axes inside a node only: ``secondary_gathers + inner_reductions``.
+
+    The rest, ``total - inside_nodes``, is what spans the nodes: collectives
+    over the axes across nodes, and those in one round over every data axis.
+    """
+    return self.secondary_gathers + self.inner_reductions
+
+
+class _Link(NamedTuple):
+  """Bytes per device of one collective over every data axis, by the axes each round spans.
+
+  Attributes:
+    inside: over the data axes inside a node only.
+    across: over the axes across nodes; a collective in one round spans every
+      data axis, and counts here whole.
+  """
+
+  inside: float
+  across: float
+
+
+def _over_data_axes(
+  num_elements: float,
+  num_devices: int,
+  devices_per_node: int,
+  moved: Callable[[float], float],
+  moved_inside: Callable[[float], float] | None = None,
+) -> _Link:
+  """A collective over all ``num_devices`` data devices, in one round or, over nodes, two.
+
+  Two rounds where the data axes are two or more nodes of more than one
+  device each (``quantized.hierarchy``): the round inside the node works on
+  the whole array (``moved_inside``, by default ``moved``, of
+  ``num_elements``), the one across nodes on the node's 1/``devices_per_node``
+  of it. Which round comes first does not change the bytes: qgZ reduces
+  inside first and hpZ gathers across first. Otherwise one round over every
+  axis, all of it across. ``moved(n)`` is the bytes of a collective of ``n``
+  elements (codes and scales, if quantized).
+  """
+  if 1 < devices_per_node < num_devices:
+    inside = (moved_inside or moved)(num_elements)
+    return _Link(inside, moved(num_elements / devices_per_node))
+  return _Link(0.0, moved(num_elements))
+
+
+def _payload(
+  quantization: quantize.Quantization | None, element_bytes: float
+) -> Callable[[float], float]:
+  """``n -> bytes`` of a collective of ``n`` elements: quantized, or ``element_bytes`` each."""
+  if quantization is None:
+    return lambda num_elements: float(num_elements * element_bytes)
+  return lambda num_elements: float(quantization.moved_bytes(num_elements))  # pyright: ignore[reportArgumentType] (Ψ / D need not be whole)
 
 
 def estimate_communication(
@@ -416,6 +508,7 @@ def estimate_communication(
   microbatches: int = 1,
   pipeline_reduce: str | None = None,
   secondary_devices: int | None = None,
+  devices_per_node: int | None = None,
 ) -> CommunicationEstimate:
   """Bytes per device per step that ``zerojax.value_and_grad`` and ``tx.update`` move.
 
@@ -434,6 +527,13 @@ def estimate_communication(
     all-reduce the shard across replicas: Ψ / N x ``grad_bytes``; with
     ``quantized_gradients``, a quantized all-to-all and all-gather of the
     shard instead, twice ``moved_bytes(Ψ / N)``;
+  * with ``quantized_gradients`` on nodes (``devices_per_node`` = D, or
+    ``secondary_devices``), the reduction takes ZeRO++'s two rounds
+    (``zerojax/_src/comm/quantized.py``): an all-to-all inside the node of
+    the whole gradient, ``moved_bytes(Ψ)`` (``inner_reductions``), then an
+    all-to-all across nodes of the node's sums, ``moved_bytes(Ψ / D)``
+    (``gradient_reductions``), both with their scales; unquantized, one
+    reduce-scatter over every data axis, as XLA places it;
   * stage 3 with hpZ (``secondary_devices`` = D, the size of the intra-node
     data axes): the weight all-gathers cross nodes once, in the forward pass,
     and each leaves a device its secondary partition, Ψ / D x ``param_bytes``
@@ -442,10 +542,14 @@ def estimate_communication(
     into whole weights once per pass, Ψ x ``param_bytes`` each, never
     quantized. The gradients' reduce-scatter is stage 3's.
 
-  ``count_collectives_by_axes`` splits a compiled step the same way: under
-  hpZ on a ``("node", "data")`` mesh, ``weight_gathers`` are its all-gathers
-  over ``("node",)``, ``secondary_gathers`` those over ``("data",)``, and
-  ``gradient_reductions`` what spans ``("node", "data")``.
+  ``count_collectives_by_axes`` splits a compiled step the same way, on a
+  ``("node", "data")`` mesh: what spans ``("node", "data")`` is the
+  collectives in one round (``weight_gathers`` without hpZ,
+  ``gradient_reductions`` unquantized); what runs over ``("node",)`` is
+  hpZ's ``weight_gathers`` and qgZ's ``gradient_reductions``; what runs
+  over ``("data",)`` is ``inside_nodes``, hpZ's ``secondary_gathers`` and
+  qgZ's ``inner_reductions``. One data axis (``devices_per_node`` and
+  ``secondary_devices`` left out) is one round.
 
   With ``pipeline_stages`` S above 1 (``zerojax.pipeline`` with
   ``microbatches`` M), a device moves its stage's share, Ψ / S, once per step
@@ -477,6 +581,10 @@ def estimate_communication(
     pipeline_reduce: as for ``estimate_memory``.
     secondary_devices: stage 3's hpZ: the size of the intra-node data axes
       (devices per node), or ``None``.
+    devices_per_node: D, the size of the data axes inside a node, where the
+      data axes span nodes: the last axis of ``axis_name`` (or hpZ's
+      secondary axes, whose size ``secondary_devices`` gives already);
+      ``None`` for one data axis.
 
   Returns:
     A ``CommunicationEstimate`` in bytes.
@@ -509,10 +617,27 @@ def estimate_communication(
 
     >>> hpz = zerojax.estimate_communication(7.5e9, num_devices=64, stage=3, secondary_devices=8)
     >>> [round(gigabytes / 1e9, 2) for gigabytes in hpz]
-    [1.88, 15.0, 0.0, 46.88, 30.0]
+    [1.88, 15.0, 0.0, 46.88, 30.0, 0.0]
+
+  int8 qgZ on those 8 nodes sums the gradients inside each node first, so only the node's
+  sums, 1/8 of the int8 gradients, cross the nodes. With hpZ and qwZ too, the collectives
+  that span the nodes move 1.9 GB a device per step, against zero3's 45 GB:
+
+    >>> qgz = zerojax.estimate_communication(
+    ...   7.5e9, num_devices=64, stage=3, quantized_gradients="int8", devices_per_node=8)
+    >>> round(qgz.inner_reductions / 1e9, 2), round(qgz.gradient_reductions / 1e9, 2)
+    (7.62, 0.95)
+    >>> zero_plus_plus = zerojax.estimate_communication(
+    ...   7.5e9, num_devices=64, stage=3, secondary_devices=8,
+    ...   quantized_weights="int8", quantized_gradients="int8")
+    >>> [round(gigabytes / 1e9, 2) for gigabytes in zero_plus_plus]
+    [0.95, 0.95, 0.0, 39.52, 30.0, 7.62]
+    >>> round((zero_plus_plus.total - zero_plus_plus.inside_nodes) / 1e9, 2)
+    1.9
   """
   stage_ = _check(num_devices, stage, replicas, pipeline_stages=pipeline_stages)
   nodes = _nodes(num_devices, stage, secondary_devices, pipeline_stages)
+  per_node = _devices_per_node(num_devices, devices_per_node, secondary_devices)
   if microbatches < 1:
     raise ValueError(f"microbatches must be at least 1, got {microbatches}.")
   num_params = num_params / pipeline_stages
@@ -529,13 +654,6 @@ def estimate_communication(
     all_reduced = float(num_params * grad_bytes) if replicas * num_devices > 1 else 0.0
     return _communication(0.0, all_reduced, 0.0)
 
-  def moved(quantization, element_bytes):
-    if num_devices == 1:
-      return 0.0
-    if quantization is None:
-      return float(num_params * element_bytes)
-    return quantization.moved_bytes(num_params)
-
   passes = 2 if stage_.splits_params and regather else 1
   reductions = 1
   if pipeline_stages > 1:
@@ -550,17 +668,31 @@ def estimate_communication(
     across = shard * grad_bytes
   else:
     across = 2 * gradients.moved_bytes(shard)  # pyright: ignore[reportArgumentType] (Ψ/N)
-  if nodes == 1:
-    weight_gathers, inside = passes * moved(weights, param_bytes), 0.0
-  else:
-    secondary = num_params * nodes / num_devices
-    weight_gathers = (
-      secondary * param_bytes if weights is None else weights.moved_bytes(secondary)  # pyright: ignore[reportArgumentType] (Ψ/D)
+  if num_devices == 1:  # over a data axis of one device nothing moves
+    return _communication(0.0, 0.0, across)
+  weight_payload = _payload(weights, param_bytes)
+  if nodes == 1:  # one round over every data axis, each pass (over nodes in two: pass per_node)
+    gather = _over_data_axes(num_params, num_devices, 1, weight_payload)
+    weight_gathers, inside = passes * gather.across, passes * gather.inside
+  else:  # hpZ: across nodes in the forward pass only, inside the node every pass, unquantized
+    gather = _over_data_axes(
+      num_params, num_devices, per_node, weight_payload, _payload(None, param_bytes)
     )
-    inside = passes * num_params * param_bytes
-  return _communication(weight_gathers, reductions * moved(gradients, grad_bytes), across, inside)
+    weight_gathers, inside = gather.across, passes * gather.inside
+  # zerojax's quantized reduce-scatter runs in rounds over nodes (quantized.hierarchy); the
+  # unquantized one in one, over every data axis.
+  reduction = _over_data_axes(
+    num_params, num_devices, per_node if gradients else 1, _payload(gradients, grad_bytes)
+  )
+  return _communication(
+    weight_gathers,
+    reductions * reduction.across,
+    across,
+    inside,
+    reductions * reduction.inside,
+  )
 
 
-def _communication(weights, gradients, replicas, secondary=0.0) -> CommunicationEstimate:
-  total = weights + gradients + replicas + secondary
-  return CommunicationEstimate(weights, gradients, replicas, total, secondary)
+def _communication(weights, gradients, replicas, secondary=0.0, inner=0.0) -> CommunicationEstimate:
+  total = weights + gradients + replicas + secondary + inner
+  return CommunicationEstimate(weights, gradients, replicas, total, secondary, inner)

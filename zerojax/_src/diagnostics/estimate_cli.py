@@ -215,24 +215,43 @@ def hpz_table(
 
   Memory: zero3's model states, and the secondary partitions hpZ holds during
   a step on top of them. Communication, as ``zerojax.estimate_communication``
-  counts it (the logical size of each collective): all of zero3's collectives
-  span the nodes; hpZ's split into those that span the nodes (the forward
-  pass's gather of each device's secondary partition, the gradients'
-  reduce-scatter, hybrid sharding's sum across replicas) and those inside a
-  node (the gathers of the secondary partitions into whole weights). A row
-  whose data axes are not two or more nodes of ``secondary`` devices is ``-``,
-  and a line under the table says why.
+  counts it (the logical size of each collective), on the same nodes, split
+  into what spans the nodes and what stays inside a node
+  (``CommunicationEstimate.inside_nodes``). zero3's gathers and unquantized
+  reduce-scatter span the nodes; hpZ's gathers cross them in the forward
+  pass only, each device's secondary partition, and gather the secondary
+  partitions into whole weights inside the node. Quantized gradients take
+  two rounds on nodes, with or without hpZ: the whole gradient inside the
+  node, then the node's sums across. A row whose data axes are not two or
+  more nodes of ``secondary`` devices is ``-``, and a line under the table
+  says why.
 
   Example:
     >>> from zerojax.estimate import hpz_table
     >>> print(hpz_table(7.5e9, [8, 64], secondary=8, param_bytes=2, grad_bytes=2, state_bytes=12))
-     devices   zero3 memory    + secondary    zero3 moves    hpZ, across    hpZ, inside
-    -----------------------------------------------------------------------------------
-           8              -              -              -              -              -
-          64           1.88           1.88          45.00          16.88          30.00
+     devices  zero3 memory   + secondary  zero3 across  zero3 inside    hpZ across    hpZ inside
+    --------------------------------------------------------------------------------------------
+           8             -             -             -             -             -             -
+          64          1.88          1.88         45.00          0.00         16.88         30.00
     -: 8 devices are one node of 8; hpZ needs two or more nodes (--secondary less than --devices)
+
+    With int8 weights and gradients, the gradients are summed inside the node first, and only
+    the node's sums cross:
+
+    >>> print(hpz_table(7.5e9, [64], 8, 2, 2, 12, quantized_weights="int8",
+    ...                 quantized_gradients="int8"))
+     devices  zero3 memory   + secondary  zero3 across  zero3 inside    hpZ across    hpZ inside
+    --------------------------------------------------------------------------------------------
+          64          1.88          1.88         16.19          7.62          1.90         37.62
   """
-  columns = ("zero3 memory", "+ secondary", "zero3 moves", "hpZ, across", "hpZ, inside")
+  columns = (
+    "zero3 memory",
+    "+ secondary",
+    "zero3 across",
+    "zero3 inside",
+    "hpZ across",
+    "hpZ inside",
+  )
 
   def communication(num_devices: int, secondary_devices: int | None):
     return estimate_communication(
@@ -246,6 +265,7 @@ def hpz_table(
       param_bytes=param_bytes,
       grad_bytes=grad_bytes,
       secondary_devices=secondary_devices,
+      devices_per_node=secondary,  # the same nodes, with hpZ or without
     )
 
   def row(n):
@@ -262,13 +282,14 @@ def hpz_table(
       secondary_devices=secondary,
     )
     plain, hpz = communication(n, None), communication(n, secondary)
-    inside = hpz.secondary_gathers
-    cells = (memory.total, memory.secondary, plain.total, hpz.total - inside, inside)
+    cells = (memory.total, memory.secondary)
+    for moved in (plain, hpz):
+      cells += (moved.total - moved.inside_nodes, moved.inside_nodes)
     return [f"{gigabytes / 1e9:.2f}" for gigabytes in cells]
 
-  header = f"{'devices':>8} " + " ".join(f"{name:>14}" for name in columns)
+  header = f"{'devices':>8} " + " ".join(f"{name:>13}" for name in columns)
   lines = [header, "-" * len(header)]
-  lines += [f"{n:>8} " + " ".join(f"{cell:>14}" for cell in row(n)) for n in devices]
+  lines += [f"{n:>8} " + " ".join(f"{cell:>13}" for cell in row(n)) for n in devices]
   lines += [f"-: {why}" for why in dict.fromkeys(_not_hpz(n, secondary) for n in devices) if why]
   return "\n".join(lines)
 
@@ -425,9 +446,9 @@ def _hpz(args: argparse.Namespace, state_bytes: float) -> str:
   return (
     f"zero3 with hpZ, {args.secondary} devices per node (--secondary){quantized}. GB per device\n"
     "of model states, and of the secondary partitions a step holds on top; GB per device per\n"
-    "step that zero3's collectives move (all of them span the nodes), and hpZ's, across the\n"
-    "nodes and inside a node (each collective at its logical size, as\n"
-    "zerojax.estimate_communication counts it):\n"
+    "step that zero3's collectives and hpZ's move across the nodes and inside a node (each\n"
+    "collective at its logical size, as zerojax.estimate_communication counts it; quantized\n"
+    "gradients sum inside the node first, then send the node's sums across):\n"
     + hpz_table(
       args.params,
       args.devices,
