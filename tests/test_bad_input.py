@@ -382,6 +382,10 @@ def devices_not_whole(types):
   zerojax.estimate_memory(7.5e9, num_devices=8.5, stage=3)
 
 
+def devices_per_node_not_dividing(types):
+  zerojax.estimate_communication(1e9, num_devices=16, stage=3, devices_per_node=6)
+
+
 def loss_not_a_scalar(types):
   tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
   loss = lambda params, x: x @ zerojax.gather(params)["w"]  # per example, not reduced
@@ -692,6 +696,7 @@ CASES = {
     load_the_files_of_two_models
   ),
   "num_devices must be a whole number, at least 1, got 8.5": devices_not_whole,
+  "devices_per_node=6 must divide num_devices=16": devices_per_node_not_dividing,
   "TypeError: the collectives are read from a compiled program, got a lowered program: pass "
   "jax.jit(step).lower(*args).compile()": collectives_of_a_lowered_step,
   "zerojax.pipeline splits x of shape (6, 16) into 4 micro-batches": (
