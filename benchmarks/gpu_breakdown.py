@@ -16,6 +16,12 @@ Run::
   python benchmarks/gpu_breakdown.py activation-heavy fp32 "GSPMD FSDP" "zero3 scan"
   python benchmarks/gpu_breakdown.py ci fp32 "GSPMD FSDP" "zero3 gather" \\
     --xla-flags=--xla_gpu_enable_pipelined_reduce_scatter=false
+  python benchmarks/gpu_breakdown.py activation-heavy fp32 "GSPMD FSDP" "zero3 scan" --costs
+
+``--costs`` has the scheduler log each instruction's cost (``TF_CPP_VMODULE=
+latency_hiding_scheduler=5``) and sums the step's compute by kind of instruction: cuBLAS
+matmuls, and the other fusions by the name XLA gives them (``loop_convert_fusion``,
+``loop_dynamic_update_slice_fusion``, ...), times how often the step runs each.
 """
 
 from __future__ import annotations
@@ -30,6 +36,17 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+#: ``--costs``' kinds of instruction, the first whose pattern the instruction's line matches.
+COST_KINDS = (
+  ("matmul", r"__cublas"),
+  ("collective start/done", r"(start|done)\("),
+  ("dynamic-update-slice", r"%\S*dynamic_update_slice\S* = "),
+  ("dynamic-slice", r"%\S*dynamic_slice\S* = "),
+  ("copy", r"= \S+ copy\("),
+  ("convert", r"%\S*convert\S* = "),
+  ("transpose", r"%\S*transpose\S* = "),
+  ("other", r""),
+)
 
 
 def statistics(log: str) -> dict[str, dict[str, float]]:
@@ -49,7 +66,43 @@ def statistics(log: str) -> dict[str, dict[str, float]]:
   return found
 
 
-def compile_setups(model: str, precision: str, names: list[str]) -> dict[str, dict]:
+def instruction_costs(log: str) -> dict[str, float]:
+  """Each instruction's cost, as the scheduler's graph dump logs it (verbose level 5)."""
+  costs: dict[str, float] = {}
+  current = None
+  for line in log.splitlines():
+    found = re.search(r"\] Instr: %(\S+) = ", line)
+    if found:
+      current = found.group(1)
+      continue
+    found = re.search(r"\] Cost: ([\d.eE+-]+)", line)
+    if found and current is not None:
+      costs[current] = float(found.group(1))
+      current = None
+  return costs
+
+
+def costs_by_kind(log: str, program: str, executions: dict[str, int]) -> dict[str, float]:
+  """The step's compute by ``COST_KINDS``: each instruction's cost times its computation's runs."""
+  costs = instruction_costs(log)
+  totals = dict.fromkeys([name for name, _ in COST_KINDS], 0.0)
+  computation = None
+  for line in program.splitlines():
+    header = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+    if header:
+      computation = header.group(1)
+      continue
+    found = re.match(r"\s+(?:ROOT )?%(\S+) = ", line)
+    if not found or computation not in executions or found.group(1) not in costs:
+      continue
+    kind = next(name for name, pattern in COST_KINDS if re.search(pattern, line))
+    totals[kind] += costs[found.group(1)] * executions[computation]
+  return totals
+
+
+def compile_setups(
+  model: str, precision: str, names: list[str], costs: bool = False
+) -> dict[str, dict]:
   """In the child: each setup's estimate, split; the log and program read as they compile."""
   sys.path[:0] = [HERE, os.path.dirname(HERE)]
   import jax
@@ -94,6 +147,9 @@ def compile_setups(model: str, precision: str, names: list[str]) -> dict[str, di
       "reduce_scatters": len(starts),
       "pipelined_reduce_scatters": sum('"is_pipelined":true' in line for line in starts),
     }
+    if costs:
+      runs = {c.name: c.executions for c in estimate.computations}
+      results[name]["costs"] = costs_by_kind(text, program, runs)
   return results
 
 
@@ -128,6 +184,11 @@ def summary(results: dict[str, dict]) -> str:
       f"| {_total(comps, 'all-reduce'):.1f} "
       f"| {loops} | {r['pipelined_reduce_scatters']}/{r['reduce_scatters']} |"
     )
+  if all("costs" in r for r in results.values()):
+    kinds = [name for name, _ in COST_KINDS]
+    lines += ["", "| setup | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+    for name, r in results.items():
+      lines.append(f"| {name} | " + " | ".join(f"{r['costs'][k]:.1f}" for k in kinds) + " |")
   return "\n".join(lines)
 
 
@@ -137,20 +198,23 @@ def main() -> None:
   parser.add_argument("precision", choices=["fp32", "bf16"], help='"fp32" only for "ci"')
   parser.add_argument("setups", nargs="+")
   parser.add_argument("--xla-flags", default="", help="XLA_FLAGS on top of XLA's defaults")
+  parser.add_argument("--costs", action="store_true", help="compute by kind of instruction")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--out", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
     with open(args.out, "w") as out:
-      json.dump(compile_setups(args.model, args.precision, args.setups), out)
+      json.dump(compile_setups(args.model, args.precision, args.setups, args.costs), out)
     return
   sys.path.insert(0, os.path.dirname(HERE))
   from zerojax.diagnostics import deviceless_environment
 
   env = {**os.environ, **deviceless_environment("h100x8", xla_flags=args.xla_flags)}
+  if args.costs:
+    env["TF_CPP_VMODULE"] = "latency_hiding_scheduler=5"
   with tempfile.NamedTemporaryFile(suffix=".json") as out:
     command = [sys.executable, os.path.abspath(__file__), "--child", "--out", out.name]
-    command += [args.model, args.precision, *args.setups]
+    command += ["--costs"] * args.costs + [args.model, args.precision, *args.setups]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
       raise RuntimeError(f"compiling for h100x8 failed:\n{done.stderr[-4000:]}")
