@@ -6,7 +6,8 @@ when they load): ``python tests/accelerator_worker.py TARGET OUT.json [SETUP ...
 each setup (plain data parallelism, GSPMD FSDP, zero1, zero2, zero3 on its
 paths) it writes the compiled step's per-device arguments and temporaries,
 its layer loops (``zerojax.diagnostics.loop_collectives``) and, on GPU, XLA's estimate of
-the step from its scheduler's log. Setups whose names end in "(biased)" train a second model:
+the step from its scheduler's log and how many reduce-scatters XLA's collective pipeliner moved
+across loop iterations. Setups whose names end in "(biased)" train a second model:
 bfloat16 compute, a bias per matrix, and a hidden width no mesh axis divides (padded shards).
 """
 
@@ -199,6 +200,13 @@ def narrowed_stacks(text, params):
   return sum(len(re.findall(rf"= bf16\[{shape}\]\S* convert\(", text)) for shape in shapes)
 
 
+def pipelined_reductions(text):
+  """How many reduce-scatters of the GPU program XLA's collective pipeliner moved across loop
+  iterations (each carried into the next iteration, the last one after the loop)."""
+  starts = [line for line in text.splitlines() if "reduce-scatter-start(" in line]
+  return sum('"is_pipelined":true' in line for line in starts)
+
+
 def measure(target, build):
   (step, (params, state)), mesh = build()
   platform = deviceless_target(target).platform
@@ -218,6 +226,7 @@ def measure(target, build):
     estimate = scheduler_estimate(log[0], compiled)
     report["cycles"] = estimate.cycles
     report["loop_waiting"] = [loop.waiting for loop in estimate.loops]
+    report["pipelined_reductions"] = pipelined_reductions(compiled.as_text())
   return report
 
 
