@@ -17,10 +17,14 @@ setup it reads:
 
 The setups: GSPMD FSDP (parameters and Adam state sharded over both axes with
 ``NamedSharding``) and GSPMD HSDP (over ``data``, replicated over ``node``),
-and ``zerojax.zero3`` with full sharding over both axes, hybrid sharding
-(``replica_axis="node"``), hpZ (``secondary_axis="data"``), int8 qwZ, int8 qgZ
-and hpZ + qwZ + qgZ; each zerojax setup also with ``zerojax.scan(...,
-defer_reductions=True)`` (", deferred"). The memory section checks zero3's
+and ``zerojax.zero3`` with full sharding over both axes (a layer's weights
+gathered in one packed all-gather across nodes, the default, and with
+``packed_gathers=False``, "zero3 unpacked", one all-gather a weight), hybrid
+sharding (``replica_axis="node"``), hpZ (``secondary_axis="data"``), int8 qwZ,
+int8 qgZ and hpZ + qwZ + qgZ; each zerojax setup also with ``zerojax.scan(...,
+defer_reductions=True)`` (", deferred"), which is ``zerojax.scan``'s default
+where the data axes span nodes (2 nodes and more, and on TPU the rows of a
+slice's torus): there the two rows agree. The memory section checks zero3's
 arguments against the ZeRO formula, 12Ψ/N bytes of model states per device
 (fp32 parameters and Adam's two moments) plus the device's batch, from 8 to
 256 devices.
@@ -86,6 +90,7 @@ MEMORY_TARGETS = ("v5e-8", "v5e-64")
 #: zerojax.zero3's options for each zerojax setup, on the node x data mesh.
 ZERO3 = {
   "zero3": dict(axis_name=AXES),
+  "zero3 unpacked": dict(axis_name=AXES, packed_gathers=False),
   "hybrid": dict(axis_name="data", replica_axis="node"),
   "hpZ": dict(axis_name=AXES, secondary_axis="data"),
   "qwZ": dict(axis_name=AXES, quantized_weights="int8"),
