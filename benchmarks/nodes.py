@@ -471,6 +471,12 @@ def checks(gpu: dict, model: str, memory: list[dict]) -> list[str]:
         f"- {stack}: hpZ + qwZ + qgZ at most 0.6x GSPMD FSDP at 4 nodes: {value:.2f}: "
         f"{verdict(value <= 0.6)}"
       )
+    zero3 = {t: ratio(t, "zero3") for t in multi}
+    out.append(
+      f"- {stack}: zero3 (full sharding) at most 0.85x GSPMD FSDP at 2 nodes and more: "
+      + ", ".join(f"{v:.2f}" for v in zero3.values())
+      + f": {verdict(all(v <= 0.85 for v in zero3.values()))}"
+    )
     below = [t for t in gpu if ratio(t, "hpZ+qwZ+qgZ") <= ratio(t, "hpZ")]
     out.append(
       f"- {stack}: hpZ + qwZ + qgZ at most hpZ at every node count: "
@@ -508,7 +514,7 @@ def plot_gpu(gpu: dict, model: str, path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(nodes, [str(n) for n in nodes])
   handles, labels = memory.get_legend_handles_labels()
-  figure.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=8)
+  figure.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=5)
   figure.suptitle(f"{model}, {MODELS[model][3]} tokens a device", y=1.02)
   figure.savefig(path, dpi=110, bbox_inches="tight")
 
