@@ -99,9 +99,9 @@ LAYOUT = {"up": P(None, None, AXES), "down": None, "bias": None}
 MATRIX, BOTH = 12 * 24, 2 * 12 * 24
 
 
-def gathered(text) -> list[int]:
-  """The elements each all-gather of the compiled step (on CPU) returns."""
-  shapes = re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", text)
+def gathered(text, dtype=r"\w+") -> list[int]:
+  """The elements each all-gather of the compiled step (on CPU) of ``dtype`` returns."""
+  shapes = re.findall(rf"= {dtype}\[([\d,]+)\]\S* all-gather\(", text)
   return [math.prod(int(n) for n in shape.split(",")) for shape in shapes]
 
 
@@ -138,4 +138,17 @@ def test_one_node_and_packed_gathers_true(types):
   assert MATRIX in gathered(default_text) and BOTH not in gathered(default_text)
   assert BOTH in gathered(packed_text) and MATRIX not in gathered(packed_text)
   for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(packed), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("types", TYPES.values(), ids=TYPES)
+def test_quantized_weights_move_their_codes_and_scales_in_one_buffer(types):
+  # qwZ: each weight's codes and scales (two collectives a weight) move packed as bytes;
+  # float32 scales then never travel on their own. What arrives is the same.
+  mesh = jax.make_mesh((2, 4), AXES, axis_types=(types,) * 2)
+  packed, packed_text = trained(mesh, True, quantized_weights="int8")
+  unpacked, unpacked_text = trained(mesh, True, quantized_weights="int8", packed_gathers=False)
+  assert gathered(unpacked_text, "f32") and not gathered(packed_text, "f32")
+  assert gathered(packed_text, "s8")
+  for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(unpacked), strict=True):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -68,14 +68,15 @@ class Group(NamedTuple):
 
     ``packed`` (by default, across nodes: over several data axes of more
     than one device each), the shards move together, in one all-gather per
-    dtype (``comm.all_gather_together``), unless quantized; else one each.
-    No derivative rule: ``gather`` gives them one.
+    dtype, or quantized in one for all their codes and scales
+    (``comm.all_gather_together``); else one each (two quantized). No
+    derivative rule: ``gather`` gives them one.
     """
     axes = [transfer.axis for transfer in self.transfers]
     dtypes = [transfer.compute for transfer in self.transfers]
     packed = comm.spans_nodes(self.axis_name) if self.packed is None else self.packed
-    if packed and self.weights is None and len(values) > 1:
-      fulls = comm.all_gather_together(values, self.axis_name, axes, dtypes)
+    if packed and len(values) > 1:
+      fulls = comm.all_gather_together(values, self.axis_name, axes, dtypes, self.weights)
     else:
       fulls = [
         comm.all_gather(value, self.axis_name, axis, dtype, self.weights)

@@ -115,7 +115,11 @@ def spans_nodes(axis_name: Any) -> bool:
 
 
 def all_gather_together(
-  xs: Sequence[jax.Array], axis_name: Any, axes: Sequence[int], dtypes: Sequence[Any]
+  xs: Sequence[jax.Array],
+  axis_name: Any,
+  axes: Sequence[int],
+  dtypes: Sequence[Any],
+  quantization: quantize.Quantization | None = None,
 ) -> list[jax.Array]:
   """``all_gather`` of each of ``xs`` along its ``axes`` entry, one collective per dtype moved.
 
@@ -129,15 +133,27 @@ def all_gather_together(
   launch, and its combiner leaves collectives of large arrays apart
   (docs/scaling.md). Cutting the full arrays out of the gathered rows copies
   each once, inside the device.
+
+  With ``quantization`` the real arrays' codes and scales move as the bytes
+  of one buffer instead (``quantized.all_gather_together``; on TPUs, where a
+  bitcast to bytes is emulated, each array's in collectives of its own).
   """
-  moving = [
-    x if x.dtype == dtype else narrowed_bits(x, dtype) for x, dtype in zip(xs, dtypes, strict=True)
-  ]
-  by_dtype: dict[Any, list[int]] = {}
-  for i, x in enumerate(moving):
-    by_dtype.setdefault(x.dtype, []).append(i)
-  count = jax.lax.axis_size(axis_name)
   results: list[Any] = [None] * len(xs)
+  if quantization is not None and jax.lax.axis_size(axis_name) > 1:
+    real = [i for i, x in enumerate(xs) if _is_real(x)]
+    pick = lambda values: [values[i] for i in real]
+    fulls = quantize.all_gather_together(
+      pick(xs), axis_name, pick(axes), quantization, pick(dtypes)
+    )
+    for i, full in zip(real, fulls, strict=True):
+      results[i] = full
+  moving: dict[int, jax.Array] = {}
+  by_dtype: dict[Any, list[int]] = {}
+  for i, (x, dtype) in enumerate(zip(xs, dtypes, strict=True)):
+    if results[i] is None:
+      moving[i] = x if x.dtype == dtype else narrowed_bits(x, dtype)
+      by_dtype.setdefault(moving[i].dtype, []).append(i)
+  count = jax.lax.axis_size(axis_name)
   for indices in by_dtype.values():
     fronts = [jnp.moveaxis(moving[i], axes[i], 0) for i in indices]
     buffer = jnp.concatenate([front.reshape(-1) for front in fronts])
