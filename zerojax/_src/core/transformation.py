@@ -569,9 +569,11 @@ def zero3(
       each once on the device, and the buffer adds up to a layer of
       temporaries at the gather. ``None`` (the default): packed where
       ``axis_name`` spans several axes of more than one device each (across
-      nodes); ``True`` or ``False``: always or never. Quantized gathers
-      (``quantized_weights``) and hpZ's move one collective a weight either
-      way. Numbers do not change; see docs/scaling.md.
+      nodes); ``True`` or ``False``: always or never. Quantized
+      (``quantized_weights``), a layer's codes and scales move as the bytes of
+      one buffer (on TPUs, two collectives a weight either way); hpZ's
+      gathers move one a weight either way. Numbers do not change; see
+      docs/scaling.md.
 
   Returns:
     A ``ZeroTransformation``.
