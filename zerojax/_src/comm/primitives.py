@@ -6,13 +6,12 @@ weights is one ``all_gather`` per leaf, issued together, and its transpose one
 GPU and TPU) merge the collectives of one step into a variadic collective of
 several operands when that pays, without copying a byte, up to a threshold
 (XLA:GPU's default is 30 MiB: the 64 MiB matrices of benchmarks/nodes.py's
-model stay apart); packing the leaves
-into one buffer by hand copies every weight out of it once per use, and
-packing them as bytes on TPU, where a bitcast to bytes is emulated, cost
-temporaries several times a layer's size (docs/performance.md has the
-measurements). Across nodes, where XLA:GPU prices each collective at a round
-trip per node, a layer's weights of one dtype move packed all the same
-(``all_gather_together``, docs/scaling.md).
+model stay apart). Packing the leaves into one buffer by hand copies every
+weight out of it once per use, and packing them as bytes on TPU, where a
+bitcast to bytes is emulated, cost temporaries several times a layer's size
+(docs/performance.md has the measurements). Across nodes, where XLA:GPU
+prices each collective at a round trip per node, stage 3 packs a layer's
+weights of one dtype all the same (``all_gather_together``, docs/scaling.md).
 
 Each collective casts on the way: a weight to the compute dtype before its
 all-gather (so a bfloat16 policy moves half the bytes; float32 to bfloat16 by

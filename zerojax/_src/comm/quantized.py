@@ -216,7 +216,11 @@ def all_gather(
 
 
 def all_gather_together(
-  xs: Sequence[jax.Array], axis_name: Any, axes: Sequence[int], spec: Quantization, dtypes
+  xs: Sequence[jax.Array],
+  axis_name: Any,
+  axes: Sequence[int],
+  spec: Quantization,
+  dtypes: Sequence[Any],
 ) -> list[jax.Array]:
   """``all_gather`` of each of ``xs``, every array's codes and scales as the bytes of one buffer.
 
