@@ -54,6 +54,7 @@ MODULE_SECONDS = {
   "export_test": 7,
   "test_cli_errors": 7,
   "test_export": 6,
+  "test_packed_gathers": 6,
   "nnx": 6,
   "scan": 6,
   "test_randomness": 5,

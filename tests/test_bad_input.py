@@ -583,6 +583,10 @@ def hpz_across_nodes(types):
   _hpz(types, (2, 4), "node")
 
 
+def packed_gathers_not_a_bool(types):
+  zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types), packed_gathers="yes")
+
+
 # The first column of docs/guide.md's errors table, and the misuse that raises each.
 CASES = {
   "mesh has no axis 'dta' (its axes are ('data',)); did you mean axis_name='data'?": axis_name_typo,
@@ -761,6 +765,8 @@ CASES = {
   "UserWarning: secondary_axis='node' looks like an axis across nodes (its name says so)": (
     hpz_across_nodes
   ),
+  "packed_gathers must be True, False or None (packed where axis_name crosses nodes), got "
+  "'yes'": packed_gathers_not_a_bool,
 }
 
 # Misuses the table covers with another row's message.

@@ -102,7 +102,7 @@ def test_a_copy_trains_like_the_original(original, how):
 def test_every_keyword_of_a_factory_reaches_the_settings(stage):
   factory = getattr(zerojax, f"zero{stage}")
   keywords = set(inspect.signature(factory).parameters) - {"inner"}
-  stage_3_only = {"quantized_weights", "secondary_axis"}
+  stage_3_only = {"quantized_weights", "secondary_axis", "packed_gathers"}
   assert keywords == set(inspect.signature(zerojax.zero3).parameters) - {"inner"} - (
     stage_3_only if stage < 3 else set()
   )

@@ -51,6 +51,8 @@ class Group(NamedTuple):
     gradients: the ``Quantization`` of the gradient reductions, or ``None``.
     secondary_axes: hpZ: the intra-node data axes the weights are gathered
       over from their secondary partitions (``comm/hierarchical.py``); ``()`` without hpZ.
+    packed: whether ``all_gather`` moves the shards in one collective per
+      dtype; ``None``: where ``axis_name`` crosses nodes (``comm.spans_nodes``).
   """
 
   transfers: tuple[Transfer, ...]
@@ -59,17 +61,31 @@ class Group(NamedTuple):
   weights: quantize.Quantization | None
   gradients: quantize.Quantization | None
   secondary_axes: tuple[str, ...] = ()
+  packed: bool | None = None
 
   def all_gather(self, values: Sequence[jax.Array]) -> list[jax.Array]:
     """The full weights of ``values`` (this device's shards), padding sliced off.
 
-    No derivative rule: ``gather`` gives them one.
+    ``packed`` (by default, across nodes: over several data axes of more
+    than one device each), the shards move together, in one all-gather per
+    dtype, or quantized in one for all their codes and scales
+    (``comm.all_gather_together``); else one each (two quantized). No
+    derivative rule: ``gather`` gives them one.
     """
-    fulls = []
-    for transfer, value in zip(self.transfers, values, strict=True):
-      full = comm.all_gather(value, self.axis_name, transfer.axis, transfer.compute, self.weights)
-      fulls.append(jax.lax.slice_in_dim(full, 0, transfer.size, axis=transfer.axis))
-    return fulls
+    axes = [transfer.axis for transfer in self.transfers]
+    dtypes = [transfer.compute for transfer in self.transfers]
+    packed = comm.spans_nodes(self.axis_name) if self.packed is None else self.packed
+    if packed and len(values) > 1:
+      fulls = comm.all_gather_together(values, self.axis_name, axes, dtypes, self.weights)
+    else:
+      fulls = [
+        comm.all_gather(value, self.axis_name, axis, dtype, self.weights)
+        for value, axis, dtype in zip(values, axes, dtypes, strict=True)
+      ]
+    return [
+      jax.lax.slice_in_dim(full, 0, transfer.size, axis=transfer.axis)
+      for transfer, full in zip(self.transfers, fulls, strict=True)
+    ]
 
   def read(self, values: Sequence[jax.Array]) -> list[jax.Array]:
     """Stage 2's replicated weights as they are, typed as this device's own.

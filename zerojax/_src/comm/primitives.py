@@ -4,10 +4,14 @@ Every array moves in a collective of its own: an all-gather of a layer's
 weights is one ``all_gather`` per leaf, issued together, and its transpose one
 ``psum_scatter`` per leaf. XLA's all-gather and reduce-scatter combiners (on
 GPU and TPU) merge the collectives of one step into a variadic collective of
-several operands when that pays, without copying a byte; packing the leaves
-into one buffer by hand would copy every weight twice per use, and on TPU,
-where a bitcast to bytes is emulated, cost temporaries several times a layer's
-size (docs/performance.md has the measurements).
+several operands when that pays, without copying a byte, up to a threshold
+(XLA:GPU's default is 30 MiB: the 64 MiB matrices of benchmarks/nodes.py's
+model stay apart). Packing the leaves into one buffer by hand copies every
+weight out of it once per use, and packing them as bytes on TPU, where a
+bitcast to bytes is emulated, cost temporaries several times a layer's size
+(docs/performance.md has the measurements). Across nodes, where XLA:GPU
+prices each collective at a round trip per node, stage 3 packs a layer's
+weights of one dtype all the same (``all_gather_together``, docs/scaling.md).
 
 Each collective casts on the way: a weight to the compute dtype before its
 all-gather (so a bfloat16 policy moves half the bytes; float32 to bfloat16 by
@@ -98,6 +102,68 @@ def all_gather(
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
   bits = narrowed_bits(x, dtype)
   return from_bits(jax.lax.all_gather(bits, axis_name, axis=axis, tiled=True), dtype)
+
+
+def spans_nodes(axis_name: Any) -> bool:
+  """Whether ``axis_name`` has several axes of more than one device each (inside ``jax.shard_map``).
+
+  On a mesh that lists the axes across nodes apart from those inside one
+  (``node x data``), its collectives cross nodes.
+  """
+  return sum(jax.lax.axis_size(name) > 1 for name in layout_lib.axes(axis_name)) > 1
+
+
+def all_gather_together(
+  xs: Sequence[jax.Array],
+  axis_name: Any,
+  axes: Sequence[int],
+  dtypes: Sequence[Any],
+  quantization: quantize.Quantization | None = None,
+) -> list[jax.Array]:
+  """``all_gather`` of each of ``xs`` along its ``axes`` entry, one collective per dtype moved.
+
+  Each array is cast as ``all_gather`` casts it (a narrower dtype as its
+  bits), laid out with its gathered dimension first and flattened; the arrays
+  that move in one dtype are concatenated into one buffer, which is gathered
+  once (a row per device) and cut apart again into the full arrays, each
+  arriving as its ``dtypes`` entry. The gather moves the same bytes as one
+  per array, but pays a collective's fixed costs once: across nodes, XLA:GPU
+  prices every collective at a round trip per ring step (per node) plus its
+  launch, and its combiner leaves collectives of large arrays apart
+  (docs/scaling.md). Cutting the full arrays out of the gathered rows copies
+  each once, inside the device.
+
+  With ``quantization`` the real arrays' codes and scales move as the bytes
+  of one buffer instead (``quantized.all_gather_together``; on TPUs, where a
+  bitcast to bytes is emulated, each array's in collectives of its own).
+  """
+  results: list[Any] = [None] * len(xs)
+  if quantization is not None and jax.lax.axis_size(axis_name) > 1:
+    real = [i for i, x in enumerate(xs) if _is_real(x)]
+    pick = lambda values: [values[i] for i in real]
+    fulls = quantize.all_gather_together(
+      pick(xs), axis_name, pick(axes), quantization, pick(dtypes)
+    )
+    for i, full in zip(real, fulls, strict=True):
+      results[i] = full
+  moving: dict[int, jax.Array] = {}
+  by_dtype: dict[Any, list[int]] = {}
+  for i, (x, dtype) in enumerate(zip(xs, dtypes, strict=True)):
+    if results[i] is None:
+      moving[i] = x if x.dtype == dtype else narrowed_bits(x, dtype)
+      by_dtype.setdefault(moving[i].dtype, []).append(i)
+  count = jax.lax.axis_size(axis_name)
+  for indices in by_dtype.values():
+    fronts = [jnp.moveaxis(moving[i], axes[i], 0) for i in indices]
+    buffer = jnp.concatenate([front.reshape(-1) for front in fronts])
+    rows = jax.lax.all_gather(buffer, axis_name, axis=0)  # (devices, buffer)
+    start = 0
+    for i, front in zip(indices, fronts, strict=True):
+      piece = rows[:, start : start + front.size].reshape(count * front.shape[0], *front.shape[1:])
+      start += front.size
+      full = jnp.moveaxis(piece, 0, axes[i])
+      results[i] = full if full.dtype == dtypes[i] else from_bits(full, dtypes[i])
+  return results
 
 
 def reduce_scatter(

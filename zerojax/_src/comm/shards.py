@@ -205,6 +205,9 @@ class Shard:
     secondary_axes: hpZ, stage 3: the intra-node data axes over which the
       backward pass gathers the weight again, from the secondary partition the
       forward pass kept; ``()`` without hpZ.
+    packed_gathers: stage 3: whether the shards opened together move in one
+      all-gather per dtype (``zerojax.zero3``'s ``packed_gathers``); ``None``:
+      where ``axis_name`` spans several axes of more than one device each.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zerojax
@@ -232,6 +235,7 @@ class Shard:
     default=None, metadata=dict(static=True)
   )
   secondary_axes: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+  packed_gathers: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __jax_array__(self):
     raise TypeError(
@@ -302,6 +306,7 @@ def group_of(shards: list[Shard]) -> Group:
     first.quantized_weights,
     first.quantized_gradients,
     first.secondary_axes,
+    first.packed_gathers,
   )
 
 
@@ -314,6 +319,7 @@ def _group_key(shard: Shard) -> tuple[Any, ...]:
     shard.quantized_weights,
     shard.quantized_gradients,
     shard.secondary_axes,
+    shard.packed_gathers,
   )
 
 

@@ -44,6 +44,8 @@ class Settings:
     quantized_gradients: that of the gradient reductions, or ``None``.
     offload: what lives in host memory between steps (``zerojax/_src/core/offload.py``).
     secondary_axis: hpZ's intra-node data axis (or tuple of axes), or ``None``.
+    packed_gathers: whether stage 3 gathers a layer's shards in one
+      collective per dtype; ``None``: where the data axes cross nodes.
   """
 
   inner: optax.GradientTransformationExtraArgs
@@ -58,6 +60,7 @@ class Settings:
   quantized_gradients: quantize.Quantization | None = None
   offload: offload_lib.Offload = dataclasses.field(default_factory=offload_lib.Offload)
   secondary_axis: str | tuple[str, ...] | None = None
+  packed_gathers: bool | None = None
 
   @property
   def data_axes(self) -> tuple[str, ...]:
@@ -116,6 +119,7 @@ def resolve(
   quantization_block_size: int,
   offload: str | None = None,
   secondary_axis: str | tuple[str, ...] | None = None,
+  packed_gathers: bool | None = None,
 ) -> Settings:
   """Checks a factory's arguments and resolves them into ``Settings``.
 
@@ -136,6 +140,11 @@ def resolve(
       "min_shard_size must be an int, 0 or more (the fewest elements a leaf needs to be "
       f"split), got {min_shard_size!r}; e.g. min_shard_size={layout_lib.DEFAULT_MIN_SHARD_SIZE}."
     )
+  if packed_gathers is not None and not isinstance(packed_gathers, bool):
+    raise ValueError(
+      f"packed_gathers must be True, False or None (packed where axis_name crosses nodes), "
+      f"got {packed_gathers!r}; e.g. packed_gathers=False for one all-gather per weight."
+    )
   mesh = mesh_lib.resolve_mesh(mesh, axis_name, replica_axis)
   hpz.resolve(axis_name, secondary_axis, mesh)
   return Settings(
@@ -155,4 +164,5 @@ def resolve(
     ),
     offload=offload_lib.resolve(offload, mesh),
     secondary_axis=secondary_axis,
+    packed_gathers=packed_gathers,
   )

@@ -485,6 +485,7 @@ def zero3(
   quantization_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
   offload: str | None = None,
   secondary_axis: str | tuple[str, ...] | None = None,
+  packed_gathers: bool | None = None,
 ) -> ZeroTransformation:
   """ZeRO stage 3: shards the optimizer state, the gradients and the parameters.
 
@@ -558,6 +559,21 @@ def zero3(
       secondary partitions, and the backward pass gathers from them, inside
       the node. Numbers do not change: the gradients' reduce-scatter still
       spans all the data axes. ``None`` by default; see docs/compression.md.
+    packed_gathers: whether the shards that ``zerojax.gather`` (or
+      ``zerojax.scan``) opens together, a layer's, move in one all-gather per
+      dtype, packed into one buffer, rather than one all-gather each. The
+      same bytes move, but a collective's fixed costs are paid once a layer:
+      across nodes XLA:GPU prices every collective at a round trip per node
+      plus its launch, and combines the gathers of large weights only up to
+      its threshold. Cutting the weights out of the gathered buffer copies
+      each once on the device, and the buffer adds up to a layer of
+      temporaries at the gather. ``None`` (the default): packed where
+      ``axis_name`` spans several axes of more than one device each (across
+      nodes); ``True`` or ``False``: always or never. Quantized
+      (``quantized_weights``), a layer's codes and scales move as the bytes of
+      one buffer (on TPUs, two collectives a weight either way); hpZ's
+      gathers move one a weight either way. Numbers do not change; see
+      docs/scaling.md.
 
   Returns:
     A ``ZeroTransformation``.
