@@ -5,7 +5,8 @@ Run by tests/test_nodes.py in a process of its own, started with
 it when they load): ``python tests/nodes_worker.py OUT.json SETUP...``. Each
 setup is ``zerojax.zero3`` over a ``node=2 x data=8`` mesh with the options
 ``SETUPS`` names; it writes ``count_collectives_by_axes``'s bytes of the
-compiled step, by the axes each collective spans, and the model's bytes.
+compiled step, by the axes each collective spans, how many reductions in the
+backward layer loop wait on its own iteration's compute, and the model's bytes.
 """
 
 import json
@@ -62,12 +63,15 @@ def main():
   mesh = deviceless_mesh("h100x16", (2, 8), AXES, (AxisType.Explicit,) * 2)
   results = {"model_bytes": 4 * LAYERS * 2 * D * F}
   for name in names:
-    counted = zerojax.diagnostics.count_collectives_by_axes(
-      compiled_step(mesh, SETUPS[name]).as_text(), mesh
-    )
+    compiled = compiled_step(mesh, SETUPS[name])
+    counted = zerojax.diagnostics.count_collectives_by_axes(compiled.as_text(), mesh)
+    *_, backward = [loop for loop in zerojax.diagnostics.loop_collectives(compiled) if loop.gathers]
     results[name] = {
-      " ".join(axes): {kind: c.bytes for kind, c in kinds.items() if c.count}
-      for axes, kinds in counted.items()
+      "by_axes": {
+        " ".join(axes): {kind: c.bytes for kind, c in kinds.items() if c.count}
+        for axes, kinds in counted.items()
+      },
+      "backward_waiting_reductions": backward.waiting_reductions,
     }
   with open(out, "w") as f:
     json.dump(results, f, indent=1)

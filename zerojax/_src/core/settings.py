@@ -87,6 +87,13 @@ class Settings:
     return self.replica_axes + layout_lib.axes(self.axis_name)
 
   @property
+  def platform(self) -> str | None:
+    """The platform of the mesh's devices (``"gpu"``, ``"tpu"``, ``"cpu"``); ``None`` for an
+    abstract mesh."""
+    devices = getattr(self.mesh, "devices", None)
+    return None if devices is None else devices.flat[0].platform
+
+  @property
   def num_shards(self) -> int:
     return math.prod(self.mesh.shape[name] for name in self.data_axes)
 

@@ -128,6 +128,7 @@ class _ScatteredInLoss(Route):
       quantized_gradients=settings.quantized_gradients,
       secondary_axes=settings.secondary_axes,
       packed_gathers=settings.packed_gathers,
+      platform=settings.platform,
     )
 
 

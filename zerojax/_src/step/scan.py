@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from zerojax._src.comm import opening as opening_lib
+from zerojax._src.comm import primitives as comm
 from zerojax._src.comm import shards as shards_lib
 from zerojax._src.comm.group import Group
-from zerojax._src.sharding import layout as layout_lib
 
 
 def scan(
@@ -65,15 +65,17 @@ def scan(
   weights are alive at once. Each layer's gradient is reduce-scattered as the
   backward pass makes it; with ``defer_reductions=True``, one iteration later,
   while the next layer's backward runs, at the price of one more layer's
-  gradient alive. By default reductions are deferred where the reduction runs
-  in rounds that XLA:GPU does not pipeline by itself: quantized gradients
-  (qgZ's all-to-alls) or several data axes of more than one device (nodes):
-  compiled for 2 to 16 nodes of 8 H100, that takes hpZ + qwZ + qgZ from
-  0.64-0.68x GSPMD FSDP's step in XLA's estimate to 0.51-0.58x
-  (docs/scaling.md). On one data axis it pays only where XLA may run two
-  collectives at once (``--xla_gpu_experimental_parallel_collective_overlap_limit=2``:
-  0.70x GSPMD FSDP's step, against 0.80x without it; docs/performance.md), so
-  there it is off unless asked for. ``prefetch=0`` gathers each layer in its own iteration,
+  gradient alive. By default, on GPUs, reductions are deferred where XLA:GPU
+  does not pipeline them into the next iteration by itself: quantized
+  gradients (qgZ's all-to-alls) and reductions across nodes (several data
+  axes of more than one device each). Compiled for 2 to 16 nodes of 8 H100,
+  that takes hpZ + qwZ + qgZ from 0.64-0.68x GSPMD FSDP's step in XLA's
+  estimate to 0.51-0.58x (docs/scaling.md). On one data axis it pays only
+  where XLA may run two collectives at once
+  (``--xla_gpu_experimental_parallel_collective_overlap_limit=2``: 0.70x GSPMD
+  FSDP's step, against 0.80x without it; docs/performance.md), and on TPUs,
+  where XLA prints no estimate, it cost 2-3 layers of temporaries: there it
+  is off unless asked for. ``prefetch=0`` gathers each layer in its own iteration,
   under ``jax.checkpoint``. All give the same numbers, to rounding (XLA fuses
   the programs differently).
 
@@ -101,9 +103,9 @@ def scan(
       the values the backward pass reads from the forward pass, or the name
       of one (``"dots_saveable"``); ``None`` saves every one but the weights.
     defer_reductions: with ``prefetch=1``, reduce-scatter each layer's
-      gradient one iteration late; ``None`` (the default) does so for
-      quantized gradients or several data axes of more than one device, and
-      with ``prefetch=0`` never.
+      gradient one iteration late; ``None`` (the default) does so on GPUs
+      for quantized gradients or reductions across nodes, and with
+      ``prefetch=0`` never.
 
   Returns:
     ``(carry, ys)``, as ``jax.lax.scan`` returns them.
@@ -257,15 +259,14 @@ def _prefetched(f, init, leaves, treedef, shard_positions, policy, defer_reducti
         f"{jnp.shape(x)[:1]}."
       )
   first = [_layer_shard(s) for s in shards]
-  group = shards_lib.group_of(first)
   stack = _Stack(
-    group,
+    shards_lib.group_of(first),
     first[0].sink is not None,
     treedef,
     tuple(shard_positions),
     length,
     shards_lib.except_gathered(policy),
-    _reduces_in_rounds(group) if defer_reductions is None else defer_reductions,
+    _defers(first[0]) if defer_reductions is None else defer_reductions,
   )
   values = [s.value for s in shards]
   sinks = [s.sink for s in shards] if stack.reads else []
@@ -277,17 +278,14 @@ def _prefetched(f, init, leaves, treedef, shard_positions, policy, defer_reducti
   return _layers(body, stack, consts, init, values, sinks, others)
 
 
-def _reduces_in_rounds(group: Group) -> bool:
-  """Whether a layer's gradient is reduced in rounds XLA:GPU does not overlap by itself.
+def _defers(shard: shards_lib.Shard) -> bool:
+  """``defer_reductions``' default: on GPUs, where XLA:GPU does not pipeline a reduction itself.
 
-  Quantized (qgZ's all-to-alls, one or two rounds) or over several data axes
-  of more than one device each: there a deferred reduction overlaps the next
-  layer's backward pass (docs/scaling.md).
+  Quantized (qgZ's all-to-alls) or across nodes: there a deferred reduction
+  overlaps the next layer's backward pass (docs/scaling.md).
   """
-  if group.gradients is not None:
-    return True
-  sizes = [jax.lax.axis_size(name) for name in layout_lib.axes(group.axis_name)]
-  return sum(size > 1 for size in sizes) > 1
+  rounds = shard.quantized_gradients is not None or comm.spans_nodes(shard.axis_name)
+  return shard.platform == "gpu" and rounds
 
 
 def _layer_shard(shard: shards_lib.Shard) -> shards_lib.Shard:
