@@ -34,9 +34,28 @@ _POLL_SECONDS = 0.05
 _CAUSE_WAIT_SECONDS = 2.0
 #: With ``min_processes``: a process that ended this many attempts in a row counts as lost.
 DROP_AFTER = 2
-#: What gloo prints on stdout for every group of processes it connects: noise, unless asked for.
-#: Two threads of a process may print it at once, each line cut into the other.
+#: What gloo prints on stdout for every group of processes it connects (numbers as N): noise,
+#: unless asked for.
+_GLOO_MESSAGE = (
+  "[Gloo] Rank N is connected to N peer ranks. Expected number of connected peer ranks is : N"
+)
 _GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank|is connected to \d+ peer ranks")
+#: The shortest piece of the message taken for one: shorter ones may be a program's own output.
+_GLOO_PIECE = 12
+
+
+def _is_gloo_noise(line: str) -> bool:
+  """Whether ``line`` is gloo's connection message, or pieces of it.
+
+  Two threads of a process may print it at once, each cutting into the other's line, so a
+  line may hold two messages run together, or be the end of one.
+  """
+  if _GLOO_CONNECTED.search(line):
+    return True
+  piece = re.sub(r"\d+", "N", line.strip())
+  return len(piece) >= _GLOO_PIECE and piece in _GLOO_MESSAGE
+
+
 #: The exit status of a usage error (argparse's, Python's for a script it cannot open): a
 #: restart would repeat it.
 USAGE_EXIT_CODE = 2
@@ -304,7 +323,7 @@ def launch(
     while True:
       attempt += 1
       env = {**base_env, ATTEMPT: str(attempt)}
-      group = _Group(command, env, stdout, stderr, lock, hide=None if verbose else _GLOO_CONNECTED)
+      group = _Group(command, env, stdout, stderr, lock, hide=None if verbose else _is_gloo_noise)
       try:
         group.start(policy.num_processes, place(policy.num_processes))
         say(
@@ -430,10 +449,10 @@ class _Restarts:
 class _Group:
   """One attempt's processes, and the threads that stream their prefixed output.
 
-  Output lines that ``hide`` matches (if given) are dropped.
+  Output lines for which ``hide`` (if given) is true are dropped.
   """
 
-  def __init__(self, command, env, stdout, stderr, lock, hide: re.Pattern | None):
+  def __init__(self, command, env, stdout, stderr, lock, hide: Callable[[str], bool] | None):
     self.command, self.env, self.sinks, self.lock = command, env, (stdout, stderr), lock
     self.hide = hide
     self.processes: list[subprocess.Popen] = []
@@ -644,10 +663,14 @@ def _signal_session(process: subprocess.Popen, signum: int) -> bool:
 
 
 def _stream(
-  pipe: TextIO, sink: TextIO, prefix: str, lock: threading.Lock, hide: re.Pattern | None
+  pipe: TextIO,
+  sink: TextIO,
+  prefix: str,
+  lock: threading.Lock,
+  hide: Callable[[str], bool] | None,
 ) -> None:
   for line in pipe:
-    if hide is not None and hide.search(line):
+    if hide is not None and hide(line):
       continue
     with lock:
       sink.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
