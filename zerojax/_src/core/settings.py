@@ -90,8 +90,9 @@ class Settings:
   def platform(self) -> str | None:
     """The platform of the mesh's devices (``"gpu"``, ``"tpu"``, ``"cpu"``); ``None`` for an
     abstract mesh."""
-    devices = getattr(self.mesh, "devices", None)
-    return None if devices is None else devices.flat[0].platform
+    if not isinstance(self.mesh, Mesh):
+      return None
+    return self.mesh.devices.flat[0].platform
 
   @property
   def num_shards(self) -> int:
