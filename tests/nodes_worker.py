@@ -5,8 +5,9 @@ Run by tests/test_nodes.py in a process of its own, started with
 it when they load): ``python tests/nodes_worker.py OUT.json SETUP...``. Each
 setup is ``zerojax.zero3`` over a ``node=2 x data=8`` mesh with the options
 ``SETUPS`` names; it writes ``count_collectives_by_axes``'s bytes of the
-compiled step, by the axes each collective spans, how many reductions in the
-backward layer loop wait on its own iteration's compute, and the model's bytes.
+compiled step, by the axes each collective spans, the number of all-gathers
+across both axes, how many reductions in the backward layer loop wait on its
+own iteration's compute, and the model's bytes.
 """
 
 import json
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 from zerojax.diagnostics import deviceless_mesh
 
-LAYERS, D, F, TOKENS = 4, 512, 1536, 16 * 256
+LAYERS, D, F, TOKENS = 4, 2048, 4096, 16 * 256  # 32 MiB matrices: above XLA's combiner
 AXES = ("node", "data")
 SETUPS = {
   "zero3": dict(axis_name=AXES),
@@ -71,6 +72,7 @@ def main():
         " ".join(axes): {kind: c.bytes for kind, c in kinds.items() if c.count}
         for axes, kinds in counted.items()
       },
+      "gathers_across": counted[AXES]["all-gather"].count,
       "backward_waiting_reductions": backward.waiting_reductions,
     }
   with open(out, "w") as f:

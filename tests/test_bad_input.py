@@ -765,7 +765,7 @@ CASES = {
   "UserWarning: secondary_axis='node' looks like an axis across nodes (its name says so)": (
     hpz_across_nodes
   ),
-  "packed_gathers must be True, False or None (packed where axis_name crosses nodes), got "
+  "packed_gathers must be True, False or None (on GPUs, packed where axis_name crosses nodes), got "
   "'yes'": packed_gathers_not_a_bool,
 }
 

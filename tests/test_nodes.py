@@ -75,3 +75,9 @@ def test_on_gpus_reductions_across_nodes_and_quantized_ones_are_deferred_by_defa
   # (tests/test_overlap.py: on CPU, not deferred).
   for name in worker.SETUPS:
     assert compiled()[name]["backward_waiting_reductions"] == 0, name
+
+
+def test_on_gpus_a_layer_gathers_across_nodes_in_one_all_gather_by_default():
+  # zero3's packed_gathers default on a GPU across nodes: a layer's two matrices in one
+  # all-gather, forward and backward (the last layer once: zerojax.scan hands it over).
+  assert compiled()["zero3"]["gathers_across"] == 2 * worker.LAYERS - 1

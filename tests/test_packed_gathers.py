@@ -1,12 +1,13 @@
-"""Packed gathers: across nodes, stage 3 gathers a layer's shards in one all-gather per dtype.
+"""Packed gathers: stage 3 gathers a layer's shards in one all-gather per dtype.
 
-On a ``node=2 x data=4`` mesh with ``axis_name=("node", "data")`` each layer
-that ``zerojax.gather`` (or ``zerojax.scan``) opens moves its float32 shards in
-one all-gather and its bfloat16 one in another, instead of one per leaf;
-``packed_gathers=False``, or a mesh of one node, keeps one per leaf. The
-numbers are plain single-device optax's, the leaves padded, split along other
-dimensions than the first and of two dtypes, and the same bit for bit packed
-or not.
+With ``packed_gathers=True`` each layer that ``zerojax.gather`` (or
+``zerojax.scan``) opens moves its float32 shards in one all-gather and its
+bfloat16 one in another, instead of one per leaf; ``packed_gathers=False``
+keeps one per leaf. By default they are packed on GPUs across nodes
+(tests/test_nodes.py compiles that for 2 nodes of 8 H100), and here, on CPU,
+not. The numbers are plain single-device optax's, the leaves padded, split
+along other dimensions than the first and of two dtypes, and the same bit for
+bit packed or not.
 """
 
 import functools
@@ -109,7 +110,7 @@ def gathered(text, dtype=r"\w+") -> list[int]:
 @pytest.mark.parametrize("types", TYPES.values(), ids=TYPES)
 def test_a_layer_moves_in_one_all_gather_per_dtype_across_nodes(types, scan):
   mesh = jax.make_mesh((2, 4), AXES, axis_types=(types,) * 2)
-  packed, packed_text = trained(mesh, scan)
+  packed, packed_text = trained(mesh, scan, packed_gathers=True)
   unpacked, unpacked_text = trained(mesh, scan, packed_gathers=False)
   # A layer's two float32 matrices move in one all-gather, never alone (its bfloat16 bias
   # in another); without packing, each matrix in its own.
@@ -129,10 +130,11 @@ def test_a_layer_moves_in_one_all_gather_per_dtype_across_nodes(types, scan):
 
 
 @pytest.mark.parametrize("types", TYPES.values(), ids=TYPES)
-def test_one_node_and_packed_gathers_true(types):
-  # node=1: the data axes span one node, and each weight keeps its own all-gather by
-  # default; packed_gathers=True packs it there too.
-  mesh = jax.make_mesh((1, 8), AXES, axis_types=(types,) * 2)
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_off_gpus_each_weight_keeps_its_all_gather_by_default(types, nodes):
+  # Packing is a GPU default, across nodes; on CPU, one node or two, each weight keeps its own
+  # all-gather unless packed_gathers=True.
+  mesh = jax.make_mesh((nodes, 8 // nodes), AXES, axis_types=(types,) * 2)
   default, default_text = trained(mesh, False)
   packed, packed_text = trained(mesh, False, packed_gathers=True)
   assert MATRIX in gathered(default_text) and BOTH not in gathered(default_text)
@@ -146,7 +148,7 @@ def test_quantized_weights_move_their_codes_and_scales_in_one_buffer(types):
   # qwZ: each weight's codes and scales (two collectives a weight) move packed as bytes;
   # float32 scales then never travel on their own. What arrives is the same.
   mesh = jax.make_mesh((2, 4), AXES, axis_types=(types,) * 2)
-  packed, packed_text = trained(mesh, True, quantized_weights="int8")
+  packed, packed_text = trained(mesh, True, quantized_weights="int8", packed_gathers=True)
   unpacked, unpacked_text = trained(mesh, True, quantized_weights="int8", packed_gathers=False)
   assert gathered(unpacked_text, "f32") and not gathered(packed_text, "f32")
   assert gathered(packed_text, "s8")

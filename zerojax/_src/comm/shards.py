@@ -206,8 +206,9 @@ class Shard:
       backward pass gathers the weight again, from the secondary partition the
       forward pass kept; ``()`` without hpZ.
     packed_gathers: stage 3: whether the shards opened together move in one
-      all-gather per dtype (``zerojax.zero3``'s ``packed_gathers``); ``None``:
-      where ``axis_name`` spans several axes of more than one device each.
+      all-gather per dtype (``zerojax.zero3``'s ``packed_gathers``, resolved
+      for the platform); ``None``: where ``axis_name`` spans several axes of
+      more than one device each.
     platform: the platform of the mesh's devices (``"gpu"``, ``"tpu"``,
       ``"cpu"``), for the defaults that depend on the compiler
       (``zerojax.scan``'s ``defer_reductions``); ``None`` if unknown.

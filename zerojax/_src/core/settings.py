@@ -45,7 +45,7 @@ class Settings:
     offload: what lives in host memory between steps (``zerojax/_src/core/offload.py``).
     secondary_axis: hpZ's intra-node data axis (or tuple of axes), or ``None``.
     packed_gathers: whether stage 3 gathers a layer's shards in one
-      collective per dtype; ``None``: where the data axes cross nodes.
+      collective per dtype; ``None``: on GPUs where the data axes cross nodes.
   """
 
   inner: optax.GradientTransformationExtraArgs
@@ -93,6 +93,15 @@ class Settings:
     if not isinstance(self.mesh, Mesh):
       return None
     return self.mesh.devices.flat[0].platform
+
+  @property
+  def gathers_packed(self) -> bool | None:
+    """``packed_gathers`` for the shards: as given; by default ``None`` on GPUs (packed where
+    the data axes cross nodes, which only the collective knows: ``comm.spans_nodes``), else
+    ``False``."""
+    if self.packed_gathers is None and self.platform != "gpu":
+      return False
+    return self.packed_gathers
 
   @property
   def num_shards(self) -> int:
@@ -150,8 +159,8 @@ def resolve(
     )
   if packed_gathers is not None and not isinstance(packed_gathers, bool):
     raise ValueError(
-      f"packed_gathers must be True, False or None (packed where axis_name crosses nodes), "
-      f"got {packed_gathers!r}; e.g. packed_gathers=False for one all-gather per weight."
+      "packed_gathers must be True, False or None (on GPUs, packed where axis_name crosses "
+      f"nodes), got {packed_gathers!r}; e.g. packed_gathers=False for one all-gather per weight."
     )
   mesh = mesh_lib.resolve_mesh(mesh, axis_name, replica_axis)
   hpz.resolve(axis_name, secondary_axis, mesh)

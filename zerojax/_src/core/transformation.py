@@ -567,9 +567,11 @@ def zero3(
       plus its launch, and combines the gathers of large weights only up to
       its threshold. Cutting the weights out of the gathered buffer copies
       each once on the device, and the buffer adds up to a layer of
-      temporaries at the gather. ``None`` (the default): packed where
+      temporaries at the gather. ``None`` (the default): packed on GPUs where
       ``axis_name`` spans several axes of more than one device each (across
-      nodes); ``True`` or ``False``: always or never. Quantized
+      nodes), and never on other platforms (XLA:TPU gives no estimate of what
+      it buys, and it held up to a layer more on a v5e-256 pod); ``True`` or
+      ``False``: always or never. Quantized
       (``quantized_weights``), a layer's codes and scales move as the bytes of
       one buffer (on TPUs, two collectives a weight either way); hpZ's
       gathers move one a weight either way. Numbers do not change; see
