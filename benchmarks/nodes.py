@@ -18,13 +18,14 @@ setup it reads:
 The setups: GSPMD FSDP (parameters and Adam state sharded over both axes with
 ``NamedSharding``) and GSPMD HSDP (over ``data``, replicated over ``node``),
 and ``zerojax.zero3`` with full sharding over both axes (a layer's weights
-gathered in one packed all-gather across nodes, the default, and with
-``packed_gathers=False``, "zero3 unpacked", one all-gather a weight), hybrid
-sharding (``replica_axis="node"``), hpZ (``secondary_axis="data"``), int8 qwZ,
-int8 qgZ and hpZ + qwZ + qgZ; each zerojax setup also with ``zerojax.scan(...,
-defer_reductions=True)`` (", deferred"), which is ``zerojax.scan``'s default
-where the data axes span nodes (2 nodes and more, and on TPU the rows of a
-slice's torus): there the two rows agree. The memory section checks zero3's
+gathered in one packed all-gather across nodes, the default on GPUs, and with
+``packed_gathers=False``, "zero3 unpacked", one all-gather a weight, the
+default on TPUs), hybrid sharding (``replica_axis="node"``), hpZ
+(``secondary_axis="data"``), int8 qwZ, int8 qgZ and hpZ + qwZ + qgZ; each
+zerojax setup also with ``zerojax.scan(..., defer_reductions=True)`` (",
+deferred", GPUs only), which is ``zerojax.scan``'s default on GPUs for
+quantized gradients and where the data axes span nodes (2 nodes and more):
+there the two rows agree. The memory section checks zero3's
 arguments against the ZeRO formula, 12Ψ/N bytes of model states per device
 (fp32 parameters and Adam's two moments) plus the device's batch, from 8 to
 256 devices.
