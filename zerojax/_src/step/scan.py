@@ -129,7 +129,7 @@ def scan(
       f"prefetch is how many layers ahead to gather: 0 or 1 (two layers alive at once), "
       f"got {prefetch!r}."
     )
-  if defer_reductions is True and prefetch == 0:
+  if defer_reductions and prefetch == 0:
     raise ValueError(
       "defer_reductions=True reduce-scatters each layer's gradient in the next iteration of the "
       "prefetching backward loop; prefetch=0 has none (each gather's own derivative reduces): "
