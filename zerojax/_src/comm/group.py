@@ -52,7 +52,8 @@ class Group(NamedTuple):
     secondary_axes: hpZ: the intra-node data axes the weights are gathered
       over from their secondary partitions (``comm/hierarchical.py``); ``()`` without hpZ.
     packed: whether ``all_gather`` moves the shards in one collective per
-      dtype; ``None``: where ``axis_name`` crosses nodes (``comm.spans_nodes``).
+      dtype; ``None``: on GPUs where ``axis_name`` crosses nodes
+      (``comm.spans_nodes``).
   """
 
   transfers: tuple[Transfer, ...]
@@ -66,15 +67,18 @@ class Group(NamedTuple):
   def all_gather(self, values: Sequence[jax.Array]) -> list[jax.Array]:
     """The full weights of ``values`` (this device's shards), padding sliced off.
 
-    ``packed`` (by default, across nodes: over several data axes of more
-    than one device each), the shards move together, in one all-gather per
+    ``packed`` (by default, on GPUs across nodes: over several data axes of
+    more than one device each), the shards move together, in one all-gather per
     dtype, or quantized in one for all their codes and scales
     (``comm.all_gather_together``); else one each (two quantized). No
     derivative rule: ``gather`` gives them one.
     """
     axes = [transfer.axis for transfer in self.transfers]
     dtypes = [transfer.compute for transfer in self.transfers]
-    packed = comm.spans_nodes(self.axis_name) if self.packed is None else self.packed
+    if self.packed is None:
+      packed = comm.on_gpu() and comm.spans_nodes(self.axis_name)
+    else:
+      packed = self.packed
     if packed and len(values) > 1:
       fulls = comm.all_gather_together(values, self.axis_name, axes, dtypes, self.weights)
     else:

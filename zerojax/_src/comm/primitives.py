@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from zerojax._src.comm import quantized as quantize
 from zerojax._src.sharding import layout as layout_lib
+from zerojax._src.sharding import mesh as mesh_lib
 
 
 def as_bits(x: jax.Array) -> jax.Array:
@@ -111,6 +112,12 @@ def spans_nodes(axis_name: Any) -> bool:
   (``node x data``), its collectives cross nodes.
   """
   return sum(jax.lax.axis_size(name) > 1 for name in layout_lib.axes(axis_name)) > 1
+
+
+def on_gpu() -> bool:
+  """Whether the mesh being traced is of GPUs: where zerojax's schedule defaults are measured
+  to pay (XLA:GPU's estimate; XLA:TPU gives none)."""
+  return mesh_lib.traced_platform() == "gpu"
 
 
 def all_gather_together(

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax._src.sharding import mesh as mesh_lib
+
 #: The ``quantized_weights`` / ``quantized_gradients`` values and their bit widths.
 FORMATS = {"int8": 8, "int4": 4}
 #: ZeRO++'s block size: elements per scale.
@@ -230,7 +232,7 @@ def all_gather_together(
   TPUs, where a bitcast to bytes is emulated, each array moves apart, as
   ``all_gather`` moves it.
   """
-  if _platform() == "tpu" or len(xs) < 2:
+  if mesh_lib.traced_platform() == "tpu" or len(xs) < 2:
     return [all_gather(x, axis_name, a, spec, d) for x, a, d in zip(xs, axes, dtypes, strict=True)]
   blocks = [quantize(x, spec) for x in xs]
   parts = [jax.lax.bitcast_convert_type(part, jnp.int8).reshape(-1) for b in blocks for part in b]
@@ -380,18 +382,12 @@ def _exchanged_sums(
     quantize(c, spec, batch_dims=c.ndim - rank) for c, rank in zip(chunks, ranks, strict=True)
   ]
   axis_name = axes[0] if len(axes) == 1 else axes
-  exchanged = _exchanged_apart if _platform() == "tpu" else _exchanged_together
+  exchanged = _exchanged_apart if mesh_lib.traced_platform() == "tpu" else _exchanged_together
   arrived = exchanged(blocks, axis_name)
   return [
     jnp.sum(dequantize(b, spec, c.shape, jnp.float32), axis=0)
     for c, b in zip(chunks, arrived, strict=True)
   ]
-
-
-def _platform() -> str | None:
-  """The platform of the mesh being traced (``jax.shard_map``'s), if it says."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return getattr(device, "platform", None)
 
 
 def _exchanged_apart(blocks: list[Blocks], axis_name: Any) -> list[Blocks]:

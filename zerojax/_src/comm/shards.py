@@ -206,12 +206,9 @@ class Shard:
       backward pass gathers the weight again, from the secondary partition the
       forward pass kept; ``()`` without hpZ.
     packed_gathers: stage 3: whether the shards opened together move in one
-      all-gather per dtype (``zerojax.zero3``'s ``packed_gathers``, resolved
-      for the platform); ``None``: where ``axis_name`` spans several axes of
-      more than one device each.
-    platform: the platform of the mesh's devices (``"gpu"``, ``"tpu"``,
-      ``"cpu"``), for the defaults that depend on the compiler
-      (``zerojax.scan``'s ``defer_reductions``); ``None`` if unknown.
+      all-gather per dtype (``zerojax.zero3``'s ``packed_gathers``); ``None``:
+      on GPUs where ``axis_name`` spans several axes of more than one device
+      each.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zerojax
@@ -240,7 +237,6 @@ class Shard:
   )
   secondary_axes: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
   packed_gathers: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
-  platform: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __jax_array__(self):
     raise TypeError(

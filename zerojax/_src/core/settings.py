@@ -87,23 +87,6 @@ class Settings:
     return self.replica_axes + layout_lib.axes(self.axis_name)
 
   @property
-  def platform(self) -> str | None:
-    """The platform of the mesh's devices (``"gpu"``, ``"tpu"``, ``"cpu"``); ``None`` for an
-    abstract mesh."""
-    if not isinstance(self.mesh, Mesh):
-      return None
-    return self.mesh.devices.flat[0].platform
-
-  @property
-  def gathers_packed(self) -> bool | None:
-    """``packed_gathers`` for the shards: as given; by default ``None`` on GPUs (packed where
-    the data axes cross nodes, which only the collective knows: ``comm.spans_nodes``), else
-    ``False``."""
-    if self.packed_gathers is None and self.platform != "gpu":
-      return False
-    return self.packed_gathers
-
-  @property
   def num_shards(self) -> int:
     return math.prod(self.mesh.shape[name] for name in self.data_axes)
 

@@ -127,8 +127,7 @@ class _ScatteredInLoss(Route):
       quantized_weights=settings.quantized_weights,
       quantized_gradients=settings.quantized_gradients,
       secondary_axes=settings.secondary_axes,
-      packed_gathers=settings.gathers_packed,
-      platform=settings.platform,
+      packed_gathers=settings.packed_gathers,
     )
 
 

@@ -91,6 +91,13 @@ def is_traced(tree: Any) -> bool:
   return any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
 
 
+def traced_platform() -> str | None:
+  """The platform (``"gpu"``, ``"tpu"``, ``"cpu"``) of the mesh being traced, as
+  ``jax.shard_map`` sets it; ``None`` if it does not say (an abstract mesh)."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return getattr(device, "platform", None)
+
+
 def is_explicit(mesh: Mesh) -> bool:
   """Whether any axis of ``mesh`` uses explicit sharding (``jax.make_mesh``'s default)."""
   return any(t == AxisType.Explicit for t in mesh.axis_types)

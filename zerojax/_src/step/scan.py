@@ -285,7 +285,7 @@ def _defers(shard: shards_lib.Shard) -> bool:
   overlaps the next layer's backward pass (docs/scaling.md).
   """
   rounds = shard.quantized_gradients is not None or comm.spans_nodes(shard.axis_name)
-  return shard.platform == "gpu" and rounds
+  return comm.on_gpu() and rounds
 
 
 def _layer_shard(shard: shards_lib.Shard) -> shards_lib.Shard:
