@@ -39,6 +39,7 @@ from zerojax._src.comm import opening as opening_lib
 from zerojax._src.comm import primitives as comm
 from zerojax._src.comm import shards as shards_lib
 from zerojax._src.comm.group import Group
+from zerojax._src.step import remat
 
 
 def scan(
@@ -143,16 +144,12 @@ def scan(
   leaves, treedef = jax.tree.flatten(xs, is_leaf=_is_shard)
   shards = [i for i, leaf in enumerate(leaves) if _is_shard(leaf)]
   if not shards:
-    body = f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
+    body = f if policy is None else remat.checkpoint(f, policy)
     return jax.lax.scan(body, init, xs, length)
   _check_layer_axis([leaves[i] for i in shards])
   f = _checked(f)
   if prefetch == 0:
-    body = jax.checkpoint(
-      lambda carry, x: f(carry, shards_lib.gather(x)),
-      policy=shards_lib.except_gathered(policy),
-      prevent_cse=False,
-    )
+    body = remat.checkpoint(lambda carry, x: f(carry, shards_lib.gather(x)), policy)
     return jax.lax.scan(body, init, xs, length)
   return _prefetched(f, init, leaves, treedef, shards, policy, defer_reductions)
 
@@ -174,8 +171,8 @@ class _Stack(NamedTuple):
     treedef: the structure of ``xs``, ``Shard`` s as leaves.
     shards: the positions of the shards among ``xs``' leaves.
     length: the number of layers.
-    policy: the ``jax.checkpoint`` policy of one layer (the user's, never
-      saving gathered weights).
+    policy: zerojax's ``jax.checkpoint`` policy for one layer's values that
+      are under no checkpoint of the user's (``remat.checkpoint``).
     defer: reduce-scatter each layer's gradient one iteration late, while the
       next layer's backward runs, rather than in its own iteration.
   """
@@ -185,7 +182,7 @@ class _Stack(NamedTuple):
   treedef: Any
   shards: tuple[int, ...]
   length: int
-  policy: Callable[..., bool]
+  policy: Callable[..., Any] | None
   defer: bool
 
   @property
@@ -265,7 +262,7 @@ def _prefetched(f, init, leaves, treedef, shard_positions, policy, defer_reducti
     treedef,
     tuple(shard_positions),
     length,
-    shards_lib.except_gathered(policy),
+    policy,
     _defers(first[0]) if defer_reductions is None else defer_reductions,
   )
   values = [s.value for s in shards]
@@ -274,8 +271,8 @@ def _prefetched(f, init, leaves, treedef, shard_positions, policy, defer_reducti
   # varying axes); unused, so the compiler drops the gather that makes them.
   weights = stack.opened(_at(values, 0), _at(sinks, 0), stack.kept(_at(values, 0)))
   x0 = stack.x(weights, _at(others, 0))
-  body, consts = jax.closure_convert(f, init, x0)
-  return _layers(body, stack, consts, init, values, sinks, others)
+  traced = remat.trace(f, init, x0)
+  return _layers(traced.function, stack, list(traced.consts), init, values, sinks, others)
 
 
 def _defers(shard: shards_lib.Shard) -> bool:
@@ -301,31 +298,33 @@ def _at(arrays: list[Any], index: Any) -> list[Any]:
 
 @jax.tree_util.register_pytree_node_class
 class _Pullback:
-  """A layer's VJP as residual arrays, without the gathered weights (re-gathered in backward).
+  """A layer's VJP as residual arrays, without the values every layer shares.
 
-  The weights are the ones the layer was called with: ``jax.checkpoint`` keeps
-  its inputs as residuals themselves, so they are found by identity.
+  Those are the gathered weights (re-gathered in the backward pass) and the
+  values the layer closes over (a mask, rotary tables: one copy serves every
+  layer). They are the ones the layer was called with: ``jax.checkpoint``
+  keeps its inputs as residuals themselves, so they are found by identity.
   """
 
-  def __init__(self, residuals, treedef, weight_of):
-    self.residuals, self.treedef, self.weight_of = residuals, treedef, weight_of
+  def __init__(self, residuals, treedef, input_of):
+    self.residuals, self.treedef, self.input_of = residuals, treedef, input_of
 
   @classmethod
-  def of(cls, pullback: Callable, weights: list[jax.Array]) -> _Pullback:
+  def of(cls, pullback: Callable, inputs: list[Any]) -> _Pullback:
     leaves, treedef = jax.tree.flatten(pullback)
-    # For each residual: the index of the weight it is, or -1.
-    weight_of = tuple(next((k for k, w in enumerate(weights) if leaf is w), -1) for leaf in leaves)
-    kept = [leaf for leaf, k in zip(leaves, weight_of, strict=True) if k < 0]
-    return cls(kept, treedef, weight_of)
+    # For each residual: the index of the input it is, or -1.
+    input_of = tuple(next((k for k, x in enumerate(inputs) if leaf is x), -1) for leaf in leaves)
+    kept = [leaf for leaf, k in zip(leaves, input_of, strict=True) if k < 0]
+    return cls(kept, treedef, input_of)
 
-  def with_weights(self, weights: list[jax.Array]) -> Callable:
-    """The VJP function again, the weights put back where the forward pass had them."""
+  def with_inputs(self, inputs: list[Any]) -> Callable:
+    """The VJP function again, the inputs put back where the forward pass had them."""
     kept = iter(self.residuals)
-    leaves = [weights[k] if k >= 0 else next(kept) for k in self.weight_of]
+    leaves = [inputs[k] if k >= 0 else next(kept) for k in self.input_of]
     return jax.tree.unflatten(self.treedef, leaves)
 
   def tree_flatten(self):
-    return (self.residuals,), (self.treedef, self.weight_of)
+    return (self.residuals,), (self.treedef, self.input_of)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -337,11 +336,10 @@ def _layer(body, stack: _Stack, consts, carry, weights, others):
 
 
 def _vjp_layer(body, stack, consts, carry, weights, others):
-  """``((carry, y), pullback)`` of one layer, the pullback without the weights."""
+  """``((carry, y), pullback)`` of one layer, the pullback without the weights or the consts."""
   layer = functools.partial(_layer, body, stack)
-  checkpointed = jax.checkpoint(layer, policy=stack.policy, prevent_cse=False)
-  out, pullback = jax.vjp(checkpointed, consts, carry, weights, others)
-  return out, _Pullback.of(pullback, weights)
+  out, pullback = jax.vjp(remat.checkpoint(layer, stack.policy), consts, carry, weights, others)
+  return out, _Pullback.of(pullback, [*weights, *consts])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -388,7 +386,7 @@ def _backward_rule(body, stack: _Stack, residuals, cotangents):
   dconsts = [_zeros_like(c) if _differentiable(c) else None for c in consts]
 
   def layer_vjp(pullback, weights, i, dcarry, dconsts, dothers):
-    vjp = pullback.with_weights(weights)
+    vjp = pullback.with_inputs([*weights, *consts])
     dy = jax.tree.map(lambda d: jax.lax.dynamic_index_in_dim(d, i, keepdims=False), dys)
     dc, dcarry, dweights, dx = vjp((dcarry, dy))
     dconsts = [None if a is None else a + b for a, b in zip(dconsts, dc, strict=True)]

@@ -1,0 +1,233 @@
+"""What a layer's backward pass keeps: the user's checkpoint policies, never a gathered weight.
+
+zerojax runs each layer of a stack under a checkpoint of its own, so that the
+gathered weights are gathered again in the backward pass instead of being kept.
+But JAX nests checkpoints by letting the outermost policy decide for every
+value inside, so that checkpoint alone would override the policy of a layer
+that arrives under the user's own ``jax.checkpoint`` (``nn.remat``,
+``nnx.remat``, ``jax.remat``): a layer the user asked to recompute would be
+saved whole, a named activation they asked to offload would stay on the
+device. Here the layer is traced to a jaxpr instead, and each value is judged
+by the policy of the innermost checkpoint the user put around it (zerojax's own
+``policy=`` outside them all), with ``shards.except_gathered``'s one rule on
+top: a gathered weight, or a cast or a transpose of one, is never kept. The
+values kept are marked with checkpoint names, and the one outer checkpoint keeps
+(or offloads to host memory) exactly the marked values.
+
+Tracing ``f`` once also closes it over nothing: every value of an enclosing
+trace that ``f`` captures (a causal mask, rotary tables, a dropout key) becomes
+an explicit operand, which a ``jax.custom_vjp`` needs (``jax.closure_convert``
+hoists only floating-point ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+from jax.core import Tracer
+from jax.extend import core as jex
+
+from zerojax._src.comm import shards as shards_lib
+
+#: The checkpoint name of a value the backward pass reads from device memory.
+SAVED = "zerojax_saved"
+#: The checkpoint name of a value the backward pass reads from host memory.
+OFFLOADED = "zerojax_offloaded"
+
+#: The primitives that call a jaxpr the judging looks into (``jax.jit`` inside a layer).
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+#: ``jax.checkpoint``'s primitive.
+_REMAT = "remat2"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Traced:
+  """A function traced once: its jaxpr, its output structure and what it closes over.
+
+  Attributes:
+    jaxpr: the function's jaxpr, its closed-over values as its ``consts``.
+    out_tree: the structure of its output.
+    consts: the values of enclosing traces (tracers) it closes over, as
+      explicit operands of ``function``; concrete constants stay in
+      ``jaxpr``.
+  """
+
+  jaxpr: jex.ClosedJaxpr
+  out_tree: Any
+  hoisted: tuple[bool, ...]
+  consts: tuple[Any, ...]
+
+  def function(self, *args: Any) -> Any:
+    """The function again, with ``consts`` as trailing arguments: ``function(*args, *consts)``."""
+    flat = jax.tree.leaves(args[: len(args) - len(self.consts)])
+    out = _evaluate(self.jaxpr, self._consts(args[len(args) - len(self.consts) :]), flat)
+    return jax.tree.unflatten(self.out_tree, out)
+
+  def _consts(self, hoisted: Sequence[Any]) -> list[Any]:
+    given = iter(hoisted)
+    return [next(given) if h else c for h, c in zip(self.hoisted, self.jaxpr.consts, strict=True)]
+
+
+def trace(f: Callable[..., Any], *args: Any) -> Traced:
+  """``f`` traced at ``args`` (arrays or ``jax.ShapeDtypeStruct`` s), its captured tracers hoisted.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from zerojax._src.step import remat
+    >>> mask = jnp.tril(jnp.ones((3, 3), bool))
+    >>> traced = remat.trace(lambda x: jnp.where(mask, x, 0.0), jnp.ones((3, 3)))
+    >>> traced.consts  # a concrete mask stays a constant of the jaxpr
+    ()
+    >>> traced.function(jnp.ones((3, 3))).sum()
+    Array(6., dtype=float32)
+  """
+  jaxpr, shape = jax.make_jaxpr(f, return_shape=True)(*args)
+  hoisted = tuple(isinstance(c, Tracer) for c in jaxpr.consts)
+  consts = tuple(c for c, h in zip(jaxpr.consts, hoisted, strict=True) if h)
+  return Traced(jaxpr, jax.tree.structure(shape), hoisted, consts)
+
+
+def checkpoint(f: Callable[..., Any], policy: Callable[..., Any] | None) -> Callable[..., Any]:
+  """``jax.checkpoint(f)``, keeping what the user's checkpoints in ``f`` keep but gathered weights.
+
+  Each value of ``f`` is kept for the backward pass if the policy of the
+  innermost ``jax.checkpoint`` around it in ``f`` would keep it (``policy``
+  for values outside any), unless it is a gathered weight or a cast, slice or
+  transpose of a value (``shards.except_gathered``). Values that policy
+  offloads (``save_and_offload_only_these_names``) are offloaded.
+
+  Args:
+    f: the function (a layer).
+    policy: the policy for the values of ``f`` under no checkpoint of the
+      user's; ``None`` keeps them all.
+
+  Returns:
+    The checkpointed function.
+
+  Raises:
+    ValueError: if ``f`` offloads to two different memory kinds, or if
+      ``policy`` is given and ``f`` is all under a checkpoint of its own,
+      so that ``policy`` would decide nothing.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from zerojax._src.step import remat
+    >>> layer = jax.checkpoint(lambda h, w: jnp.tanh(h @ w))  # recompute it all
+    >>> h, w = jnp.ones((2, 3)), jnp.ones((3, 3))
+    >>> _, pullback = jax.vjp(remat.checkpoint(layer, None), h, w)
+    >>> sorted(leaf.shape for leaf in jax.tree.leaves(pullback))  # the inputs only
+    [(2, 3), (3, 3)]
+  """
+
+  def layer(*args):
+    traced = trace(f, *args)
+    if policy is not None and _wholly_checkpointed(traced.jaxpr.jaxpr):
+      raise ValueError(
+        "this layer runs under its own jax.checkpoint (jax.remat, nn.remat, nnx.remat), whose "
+        f"policy decides what its backward pass keeps, and zerojax's policy={policy!r} would "
+        "decide nothing: pass the policy to the layer's own jax.checkpoint(..., policy=) or "
+        "zerojax's policy= (without the layer's checkpoint), not both."
+      )
+    marks = _Marks()
+
+    def marked(consts, flat):
+      judge = _Judge(shards_lib.except_gathered(policy), marks)
+      return judge.evaluate(traced.jaxpr.jaxpr, traced._consts(consts), flat)
+
+    # The policy is asked once ``marked`` has been traced, when ``marks`` knows where to offload.
+    chosen = lambda *args, **params: marks.policy()(*args, **params)
+    checkpointed = jax.checkpoint(marked, policy=chosen, prevent_cse=False)
+    out = checkpointed(traced.consts, jax.tree.leaves(args))
+    return jax.tree.unflatten(traced.out_tree, out)
+
+  return layer
+
+
+class _Marks:
+  """Where the judged function offloads to: one memory kind, or none."""
+
+  def __init__(self):
+    self.offload: tuple[str, str] | None = None
+
+  def offloads_to(self, src: str, dst: str) -> None:
+    if self.offload not in (None, (src, dst)):
+      raise ValueError(
+        f"a layer's checkpoint policies offload from {self.offload[0]!r} to {self.offload[1]!r} "
+        f"and from {src!r} to {dst!r}: zerojax.scan offloads a layer's values to one memory "
+        "kind; use one save_and_offload_only_these_names policy for the layer."
+      )
+    self.offload = (src, dst)
+
+  def policy(self) -> Callable[..., Any]:
+    if self.offload is None:
+      return jax.checkpoint_policies.save_only_these_names(SAVED)
+    src, dst = self.offload
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[SAVED],
+      names_which_can_be_offloaded=[OFFLOADED],
+      offload_src=src,
+      offload_dst=dst,
+    )
+
+
+@dataclasses.dataclass
+class _Judge:
+  """Evaluates a jaxpr, marking each value its region's policy keeps."""
+
+  policy: Callable[..., Any]
+  marks: _Marks
+
+  def evaluate(self, jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Any, Any] = {}
+    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      with eqn.ctx.manager:
+        outs = self._equation(eqn, ins)
+      env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+  def _equation(self, eqn: Any, ins: list[Any]) -> list[Any]:
+    name = eqn.primitive.name
+    if name == _REMAT:  # the user's checkpoint: its policy rules inside it
+      inner = eqn.params["policy"] or jax.checkpoint_policies.nothing_saveable
+      judge = _Judge(shards_lib.except_gathered(inner), self.marks)
+      return judge.evaluate(eqn.params["jaxpr"], (), ins)
+    if name in _CALLS and isinstance(eqn.params.get("jaxpr"), jex.ClosedJaxpr):
+      called = eqn.params["jaxpr"]
+      return self.evaluate(called.jaxpr, called.consts, ins)
+    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+    outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    avals = [v.aval for v in eqn.invars]
+    return [self._marked(o, self.policy(eqn.primitive, *avals, **eqn.params)) for o in outs]
+
+  def _marked(self, value: Any, choice: Any) -> Any:
+    dst = getattr(choice, "dst", None)  # jax's Offloadable(src, dst)
+    if dst is not None:
+      self.marks.offloads_to(choice.src, dst)
+      return checkpoint_name(value, OFFLOADED)
+    if choice is True or getattr(choice, "__name__", None) == "Saveable":
+      return checkpoint_name(value, SAVED)
+    return value
+
+
+def _wholly_checkpointed(jaxpr: jex.Jaxpr) -> bool:
+  """Whether every equation of ``jaxpr`` is a user's checkpoint (inside ``jax.jit`` s or not)."""
+
+  def checkpointed(eqn) -> bool:
+    if eqn.primitive.name in _CALLS and isinstance(eqn.params.get("jaxpr"), jex.ClosedJaxpr):
+      return _wholly_checkpointed(eqn.params["jaxpr"].jaxpr)
+    return eqn.primitive.name == _REMAT
+
+  return bool(jaxpr.eqns) and all(checkpointed(eqn) for eqn in jaxpr.eqns)
+
+
+def _evaluate(jaxpr: jex.ClosedJaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  """``jaxpr`` evaluated at ``args`` with ``consts`` as its constants."""
+  return jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr.jaxpr, list(consts)))(*args)
