@@ -266,3 +266,43 @@ def test_leaves_read_in_pieces_load_the_same(huggingface_files, monkeypatch, pie
     full = full_params()
     loaded = zerojax.load_safetensors(huggingface_files, tx, like(full), keys=huggingface_keys)
     assert_placed_as(loaded, tx.shard(full))
+
+
+@pytest.mark.parametrize("piece_bytes", [24, 200, zerojax._src.checkpoint.load.PIECE_BYTES])
+def test_a_transpose_of_three_axes_reads_each_region_from_its_own_axes(
+  tmp_path, monkeypatch, piece_bytes
+):
+  # (1, 2, 0) and (2, 0, 1) are each other's inverse, unlike a transpose of two axes: reading
+  # a leaf's region from the file's axes the wrong way round gives other values. Pieces of a
+  # few elements cut every axis; a stack of them is read one layer at a time.
+  monkeypatch.setattr(zerojax._src.checkpoint.load, "PIECE_BYTES", piece_bytes)
+  rng = np.random.default_rng(0)
+  layers = {f"h.{i}": rng.standard_normal((3, 5, 17)).astype(np.float32) for i in range(2)}
+  save_file(layers, str(tmp_path / "model.safetensors"))
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh_of(8, "explicit"))
+  for transpose in ((1, 2, 0), (2, 0, 1)):
+    full = {
+      "one": layers["h.0"].transpose(transpose),
+      "stacked": np.stack([x.transpose(transpose) for x in layers.values()]),
+    }
+    keys = {
+      "one": zerojax.FileKey("h.0", transpose=transpose),
+      "stacked": zerojax.FileKey(list(layers), transpose=transpose),
+    }
+    loaded = zerojax.load_safetensors(tmp_path / "model.safetensors", tx, like(full), keys=keys)
+    assert_placed_as(loaded, tx.shard(full))
+
+
+def test_init_at_stage_3_with_the_master_copy_apart_returns_the_compute_copy(huggingface_files):
+  # Offloading the master copy keeps it apart at stage 3 too: the parameters are the bf16
+  # compute copy, the float32 master copy is in the optimizer state.
+  tx = zerojax.zero3(
+    optax.adam(1e-3), mesh=mesh_of(8, "explicit"), precision="bf16", offload="optimizer+master"
+  )
+  full = full_params()
+  params, opt_state = zerojax.load_safetensors(
+    huggingface_files, tx, like(full), keys=huggingface_keys, init=True
+  )
+  assert params["embed"].dtype == jnp.bfloat16
+  assert_placed_as(params, tx.shard(full))
+  assert_placed_as(opt_state, tx.init(full))
