@@ -7,6 +7,7 @@ peak memory and bytes read, is in ``tests/load_worker.py``.
 """
 
 import json
+import re
 from pathlib import Path
 
 import chex
@@ -306,3 +307,21 @@ def test_init_at_stage_3_with_the_master_copy_apart_returns_the_compute_copy(hug
   assert params["embed"].dtype == jnp.bfloat16
   assert_placed_as(params, tx.shard(full))
   assert_placed_as(opt_state, tx.init(full))
+
+
+def test_a_layer_named_twice_in_a_stack_is_refused(huggingface_files):
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh_of(8, "auto"))
+  names = ["h.0.mlp.bias", "h.1.mlp.bias", "h.0.mlp.bias", "h.3.mlp.bias"]
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
+      "blocks.bias: tensor 'h.0.mlp.bias' is stacked into it as layers 0 and 2: name each "
+      "layer's own tensor"
+    ),
+  ):
+    zerojax.load_safetensors(
+      huggingface_files,
+      tx,
+      like(full_params()),
+      keys=lambda name: names if name == "blocks.bias" else huggingface_keys(name),
+    )

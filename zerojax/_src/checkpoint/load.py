@@ -399,6 +399,14 @@ def _unfit(
 ) -> str | None:
   """What keeps ``tensors`` from being read into ``leaf``, or ``None``."""
   first = tensors[0]
+  counts = collections.Counter(t.name for t in tensors)
+  repeated = next((n for n, count in counts.items() if count > 1), None)
+  if repeated is not None:
+    layers = [str(i) for i, t in enumerate(tensors) if t.name == repeated]
+    return (
+      f"{name}: tensor {repeated!r} is stacked into it as layers {', '.join(layers[:-1])} and "
+      f"{layers[-1]}: name each layer's own tensor, one per index of the leaf's leading dimension"
+    )
   try:
     dtypes = {t.dtype for t in tensors}
   except ValueError as error:
