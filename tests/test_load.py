@@ -325,3 +325,17 @@ def test_a_layer_named_twice_in_a_stack_is_refused(huggingface_files):
       like(full_params()),
       keys=lambda name: names if name == "blocks.bias" else huggingface_keys(name),
     )
+
+
+def test_keys_that_name_no_leaf_are_refused_with_the_closest_leaves(tmp_path):
+  save_file({"embed": np.ones((4, 8), np.float32)}, str(tmp_path / "model.safetensors"))
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh_of(8, "auto"))
+  structs = {"embed": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
+  with pytest.raises(ValueError) as error:
+    zerojax.load_safetensors(
+      tmp_path / "model.safetensors", tx, structs, keys={"embd": "embed", "zzz": "embed"}
+    )
+  message = str(error.value)
+  assert "keys maps 'embd', which names no leaf (did you mean 'embed'?)" in message
+  assert "keys maps 'zzz', which names no leaf\n" in message
+  assert "leaves do not fit" not in message  # the leaf itself loads

@@ -324,7 +324,7 @@ def _sources(
     names = [key.key] if isinstance(key.key, str) else list(key.key)
     missing = [n for n in names if n not in found]
     if missing:
-      problems.append(_missing(name, missing, found, keys, [n for n, _ in leaves]))
+      problems.append(_missing(name, missing, found, keys))
       sources.append(None)
       continue
     tensors = tuple(found[n] for n in names)
@@ -333,18 +333,25 @@ def _sources(
     if problem:
       problems.append(problem)
     sources.append(_Source(tensors, not isinstance(key.key, str), transpose))
-  if problems:
-    shown = "\n".join(f"  {line}" for line in problems[:20])
-    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-    names = list(found)
-    held = (
-      f"The files hold {len(names)} tensors ({', '.join(names[:4])}{', ...' * (len(names) > 4)}). "
-    )
+  strays = _strays(keys, [n for n, _ in leaves])
+  if problems or strays:
+    lines = [*problems, *strays]
+    shown = "\n".join(f"  {line}" for line in lines[:20])
+    more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
+    what, held = [], ""
+    if problems:
+      what.append(
+        f"{len(problems)} of {len(leaves)} leaves do not fit the tensors in {_shown(paths)}"
+      )
+      names = list(found)
+      listed = f"{', '.join(names[:4])}{', ...' * (len(names) > 4)}"
+      held = f"The files hold {len(names)} tensors ({listed}). "
+    if strays:
+      what.append("keys maps names that no leaf has")
     raise ValueError(
-      f"{len(problems)} of {len(leaves)} leaves do not fit the tensors in {_shown(paths)}:\n"
-      f"{shown}{more}\n{held}A leaf's name is its path in `like`, keys joined with '.'; pass "
-      "keys={leaf name: file name (or names to stack, or zerojax.FileKey(name, transpose=...))} "
-      "or a function of the leaf's name."
+      f"{', and '.join(what)}:\n{shown}{more}\n{held}A leaf's name is its path in `like`, keys "
+      "joined with '.'; pass keys={leaf name: file name (or names to stack, or "
+      "zerojax.FileKey(name, transpose=...))} or a function of the leaf's name."
     )
   return sources
 
@@ -372,22 +379,25 @@ def _key_of(name: str, keys: Any) -> FileKey:
   )
 
 
-def _missing(
-  name: str, missing: list[str], found: dict[str, Any], keys: Any, leaves: list[str]
-) -> str:
+def _missing(name: str, missing: list[str], found: dict[str, Any], keys: Any) -> str:
   close = difflib.get_close_matches(missing[0], list(found), n=3, cutoff=0.5)
   hint = f"; the closest there: {close}" if close else ""
   mapped = keys is not None and (not isinstance(keys, Mapping) or name in keys)
-  if isinstance(keys, Mapping) and not mapped:
-    # A leaf that keeps its own name because keys misspells it.
-    known = set(leaves)
-    strays = [k for k in keys if k not in known]
-    stray = difflib.get_close_matches(name, strays, n=1, cutoff=0.5)
-    if stray:
-      hint += f"; keys maps {stray[0]!r}, which names no leaf (did you mean {name!r}?)"
   given = " (from keys)" if mapped else ""
   what = f"tensor {missing[0]!r}" if len(missing) == 1 else f"tensors {missing[:3]}..."
   return f"{name}: {what}{given} is not in the files{hint}"
+
+
+def _strays(keys: Any, leaves: list[str]) -> list[str]:
+  """A line for each name that ``keys`` maps and no leaf has, with the leaves closest to it."""
+  if not isinstance(keys, Mapping):
+    return []
+  known, lines = set(leaves), []
+  for key in (k for k in keys if k not in known):
+    close = difflib.get_close_matches(str(key), leaves, n=3, cutoff=0.5)
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    lines.append(f"keys maps {key!r}, which names no leaf{hint}")
+  return lines
 
 
 def _unfit(
