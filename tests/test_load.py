@@ -339,3 +339,43 @@ def test_keys_that_name_no_leaf_are_refused_with_the_closest_leaves(tmp_path):
   assert "keys maps 'embd', which names no leaf (did you mean 'embed'?)" in message
   assert "keys maps 'zzz', which names no leaf\n" in message
   assert "leaves do not fit" not in message  # the leaf itself loads
+
+
+@pytest.mark.parametrize("piece_bytes", [16, zerojax._src.checkpoint.load.PIECE_BYTES])
+def test_values_a_dtype_cannot_hold_are_refused_naming_the_tensor_and_the_fix(
+  tmp_path, monkeypatch, piece_bytes
+):
+  monkeypatch.setattr(zerojax._src.checkpoint.load, "PIECE_BYTES", piece_bytes)
+  big = np.ones((4, 8), np.float32)
+  big[2, 5], big[3, 1] = -1e6, 7e4  # the larger magnitude is named
+  layers = {"h.0": np.ones((4, 8), np.float32), "h.1": big, "steps": np.array([1, 2**40])}
+  layers["h.0"][0, 0] = np.inf  # inf in the file stays inf: not an overflow
+  save_file(layers, str(tmp_path / "model.safetensors"))
+  path = tmp_path / "model.safetensors"
+  half = {"layers": jax.ShapeDtypeStruct((2, 4, 8), jnp.float16)}
+  keys = {"layers": ["h.0", "h.1"]}
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh_of(8, "auto"))
+  with pytest.raises(ValueError) as error:
+    zerojax.load_safetensors(path, tx, half, keys=keys)
+  assert str(error.value) == (
+    "layers: tensor 'h.1', float32, holds -1000000.0 (at (1, 2, 5) of the leaf), beyond the "
+    "range of float16 (-65504.0 to 65504.0), the leaf's dtype in `like`: cast, it would be -inf. "
+    "Give the leaf a dtype that holds it in `like` (the file's does), or rescale the tensor in "
+    "the file."
+  )
+  steps = {"steps": jax.ShapeDtypeStruct((2,), jnp.int32)}
+  with pytest.raises(
+    ValueError, match=r"steps: tensor 'steps', int64, holds 1099511627776 \(at \(1,\)"
+  ):
+    zerojax.load_safetensors(path, tx, steps)
+  # Stored in float16 by the precision policy.
+  tx = zerojax.zero1(optax.adam(1e-3), mesh=mesh_of(8, "auto"), precision="fp16")
+  full = {"layers": jax.ShapeDtypeStruct((2, 4, 8), jnp.float32)}
+  with pytest.raises(
+    ValueError, match=r"float16 .*, the dtype the precision policy stores the leaf in: cast, it"
+  ):
+    zerojax.load_safetensors(path, tx, full, keys=keys)
+  # Values it holds load, with no warning from numpy.
+  half = {"layers": jax.ShapeDtypeStruct((4, 8), jnp.float16)}
+  loaded = zerojax.load_safetensors(path, tx, half, keys={"layers": "h.0"})
+  np.testing.assert_array_equal(tx.gather(loaded)["layers"], layers["h.0"].astype(np.float16))

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -70,6 +71,10 @@ class _Source(NamedTuple):
     if self.transpose is not None:
       shape = tuple(shape[axis] for axis in self.transpose)
     return (len(self.tensors), *shape) if self.stacked else shape
+
+  def tensor_at(self, index: tuple[int, ...]) -> tensor_files.FileTensor:
+    """The tensor the leaf's element at ``index`` is read from."""
+    return self.tensors[index[0] if self.stacked else 0]
 
   def read(self, region: tuple[slice, ...]) -> np.ndarray:
     """The leaf's ``region``, read from the files: only the layers and slices in it."""
@@ -197,15 +202,15 @@ def load_safetensors(
   # optimizer state is (stage 3 stores it as the parameters).
   layout = plans.sharded if init else plans.params
 
-  def place(stored: layout_lib.LeafLayout, leaf: Any, source: _Source) -> jax.Array:
+  def place(stored: layout_lib.LeafLayout, path: Any, leaf: Any, source: _Source) -> jax.Array:
     sharding = NamedSharding(settings.mesh, stored.partition_spec)
-    return _place(source, stored, np.dtype(leaf.dtype), sharding)
+    return _place(_name(path), source, stored, np.dtype(leaf.dtype), sharding)
 
   placed = jax.tree.unflatten(
     treedef,
     [
-      place(stored, leaf, source)
-      for stored, (_, leaf), source in zip(layout.leaves, named, sources, strict=True)
+      place(stored, path, leaf, source)
+      for stored, (path, leaf), source in zip(layout.leaves, named, sources, strict=True)
     ],
   )
   if not init:
@@ -229,7 +234,11 @@ PIECE_BYTES = 4 * 2**20
 
 
 def _place(
-  source: _Source, stored: layout_lib.LeafLayout, dtype: np.dtype, sharding: NamedSharding
+  name: str,
+  source: _Source,
+  stored: layout_lib.LeafLayout,
+  dtype: np.dtype,
+  sharding: NamedSharding,
 ) -> jax.Array:
   """The stored leaf, made of the shards this process's devices hold, each read from the files.
 
@@ -249,7 +258,12 @@ def _place(
   for cover in [box] if box is not None else list(shards):
     for piece in _pieces(_clipped(cover, stored.shape), PIECE_BYTES // itemsize):
       values = source.read(tuple(slice(a, b) for a, b in piece))
-      values = values.astype(dtype, copy=False).astype(stored.dtype, copy=False)
+      for cast_to, held_by in ((dtype, _LIKE), (stored.dtype, _STORED)):
+        cast = _cast(values, cast_to)
+        lost = _lost(values, cast)
+        if lost is not None:
+          raise _unheld(name, source, piece, values, cast, lost, held_by)
+        values = cast
       for region, shard in shards.items():
         _copy_overlap(values, piece, shard, region)
   arrays, left = [], collections.Counter(devices.values())
@@ -262,6 +276,72 @@ def _place(
 
 
 Bounds = tuple[tuple[int, int], ...]
+
+#: Whose dtype a value is cast to, and how to give it one that holds the value: ``like``'s,
+#: then the one the precision policy stores the leaf in.
+_LIKE = (
+  "the leaf's dtype in `like`",
+  "Give the leaf a dtype that holds it in `like` (the file's does)",
+)
+_STORED = (
+  "the dtype the precision policy stores the leaf in",
+  "Choose a precision policy whose dtypes hold it (bfloat16 has float32's range)",
+)
+
+
+def _cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  with np.errstate(over="ignore"):  # what numpy would warn of, _lost finds
+    return values.astype(dtype, copy=False)
+
+
+def _range(dtype: np.dtype) -> tuple[Any, Any]:
+  info = ml_dtypes.finfo(dtype) if jnp.issubdtype(dtype, jnp.inexact) else np.iinfo(dtype)
+  return info.min, info.max
+
+
+def _lost(values: np.ndarray, cast: np.ndarray) -> tuple[int, ...] | None:
+  """Where in ``values`` is the one of largest magnitude that ``cast`` (``values`` in another dtype
+  of the same kind) lost: a finite float made infinite, or an integer wrapped round; or ``None``.
+
+  Made of masks of one piece, only where the dtype's range narrows: no copy of a whole leaf.
+  """
+  if values.dtype == cast.dtype:
+    return None
+  (low, high), (cast_low, cast_high) = _range(values.dtype), _range(cast.dtype)
+  if cast_low <= low and high <= cast_high:
+    return None
+  if jnp.issubdtype(cast.dtype, jnp.inexact):
+    lost = np.isinf(cast)
+    if not lost.any():
+      return None
+    lost &= np.isfinite(values)  # inf in the file stays inf
+  else:
+    lost = (values < cast_low) | (values > cast_high)
+  if not lost.any():
+    return None
+  magnitudes = np.where(lost, np.abs(values.astype(np.float64)), -1)
+  return tuple(int(i) for i in np.unravel_index(np.argmax(magnitudes), values.shape))
+
+
+def _unheld(
+  name: str,
+  source: _Source,
+  piece: Bounds,
+  values: np.ndarray,
+  cast: np.ndarray,
+  lost: tuple[int, ...],
+  held_by: tuple[str, str],
+) -> ValueError:
+  """The error for the value at ``lost`` in the ``piece`` of leaf ``name`` read from ``source``."""
+  index = tuple(start + i for (start, _), i in zip(piece, lost, strict=True))
+  tensor = source.tensor_at(index)
+  low, high = _range(cast.dtype)
+  whose, fix = held_by
+  return ValueError(
+    f"{name}: tensor {tensor.name!r}, {tensor.dtype.name}, holds {values[lost]} (at {index} of "
+    f"the leaf), beyond the range of {cast.dtype.name} ({low} to {high}), {whose}: cast, it "
+    f"would be {cast[lost]}. {fix}, or rescale the tensor in the file."
+  )
 
 
 def _bounds(index: Any, shape: tuple[int, ...]) -> Bounds:
