@@ -158,10 +158,14 @@ def load_safetensors(
   Raises:
     ValueError: naming every leaf whose tensor is missing from the files (and
       the closest names there), whose shape differs from ``like``'s (and the
-      ``FileKey`` that would fit, if a transpose or a stack would), or whose
-      dtype cannot become the leaf's (a float tensor for an integer leaf, or
-      a dtype zerojax cannot read); or for a path that is not safetensors, or
-      a file that is damaged or truncated.
+      ``FileKey`` that would fit, if a transpose or a stack would), whose
+      stack names a tensor twice, or whose dtype cannot become the leaf's (a
+      float tensor for an integer leaf, or a dtype zerojax cannot read), and
+      every name ``keys`` maps that no leaf has (and the closest leaves); for
+      a value that the leaf's dtype, or the one it is stored in, cannot hold
+      (1e6 into float16 would be inf); or for a path that is not
+      safetensors, or a file that is truncated or damaged (a header that
+      HuggingFace's reader refuses, such as tensors whose bytes overlap).
     TypeError: for ``keys`` that is neither a mapping nor a function, or that
       gives a leaf something other than names or a ``zerojax.FileKey``.
 
