@@ -347,7 +347,7 @@ def test_values_a_dtype_cannot_hold_are_refused_naming_the_tensor_and_the_fix(
 ):
   monkeypatch.setattr(zerojax._src.checkpoint.load, "PIECE_BYTES", piece_bytes)
   big = np.ones((4, 8), np.float32)
-  big[2, 5], big[3, 1] = -1e6, 7e4  # the larger magnitude is named
+  big[2, 4], big[2, 5] = 7e4, -1e6  # in one piece of 16 bytes: the larger magnitude is named
   layers = {"h.0": np.ones((4, 8), np.float32), "h.1": big, "steps": np.array([1, 2**40])}
   layers["h.0"][0, 0] = np.inf  # inf in the file stays inf: not an overflow
   save_file(layers, str(tmp_path / "model.safetensors"))

@@ -137,8 +137,8 @@ def test_a_header_whose_tensors_do_not_tile_the_data_is_refused_as_huggingface_d
 
 
 def test_what_huggingface_reads_is_read(tmp_path):
-  # Empty tensors take no bytes, wherever they are.
-  header = {"empty": _f32([0, 3], 0, 0), "a": _f32([2], 0, 8), "after": _f32([0], 8, 8)}
+  # Empty tensors take no bytes, wherever they are; the header lists tensors in any order.
+  header = {"after": _f32([0], 8, 8), "a": _f32([2], 0, 8), "empty": _f32([0, 3], 0, 0)}
   path = _raw_file(tmp_path / "x.safetensors", header, np.ones(2, np.float32).tobytes())
   loaded = load_file(str(path))
   found = tensor_files.tensors(path)
