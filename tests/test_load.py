@@ -7,6 +7,7 @@ peak memory and bytes read, is in ``tests/load_worker.py``.
 """
 
 import json
+import re
 from pathlib import Path
 
 import chex
@@ -266,3 +267,115 @@ def test_leaves_read_in_pieces_load_the_same(huggingface_files, monkeypatch, pie
     full = full_params()
     loaded = zerojax.load_safetensors(huggingface_files, tx, like(full), keys=huggingface_keys)
     assert_placed_as(loaded, tx.shard(full))
+
+
+@pytest.mark.parametrize("piece_bytes", [24, 200, zerojax._src.checkpoint.load.PIECE_BYTES])
+def test_a_transpose_of_three_axes_reads_each_region_from_its_own_axes(
+  tmp_path, monkeypatch, piece_bytes
+):
+  # (1, 2, 0) and (2, 0, 1) are each other's inverse, unlike a transpose of two axes: reading
+  # a leaf's region from the file's axes the wrong way round gives other values. Pieces of a
+  # few elements cut every axis; a stack of them is read one layer at a time.
+  monkeypatch.setattr(zerojax._src.checkpoint.load, "PIECE_BYTES", piece_bytes)
+  rng = np.random.default_rng(0)
+  layers = {f"h.{i}": rng.standard_normal((3, 5, 17)).astype(np.float32) for i in range(2)}
+  save_file(layers, str(tmp_path / "model.safetensors"))
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh_of(8, "explicit"))
+  for transpose in ((1, 2, 0), (2, 0, 1)):
+    full = {
+      "one": layers["h.0"].transpose(transpose),
+      "stacked": np.stack([x.transpose(transpose) for x in layers.values()]),
+    }
+    keys = {
+      "one": zerojax.FileKey("h.0", transpose=transpose),
+      "stacked": zerojax.FileKey(list(layers), transpose=transpose),
+    }
+    loaded = zerojax.load_safetensors(tmp_path / "model.safetensors", tx, like(full), keys=keys)
+    assert_placed_as(loaded, tx.shard(full))
+
+
+def test_init_at_stage_3_with_the_master_copy_apart_returns_the_compute_copy(huggingface_files):
+  # Offloading the master copy keeps it apart at stage 3 too: the parameters are the bf16
+  # compute copy, the float32 master copy is in the optimizer state.
+  tx = zerojax.zero3(
+    optax.adam(1e-3), mesh=mesh_of(8, "explicit"), precision="bf16", offload="optimizer+master"
+  )
+  full = full_params()
+  params, opt_state = zerojax.load_safetensors(
+    huggingface_files, tx, like(full), keys=huggingface_keys, init=True
+  )
+  assert params["embed"].dtype == jnp.bfloat16
+  assert_placed_as(params, tx.shard(full))
+  assert_placed_as(opt_state, tx.init(full))
+
+
+def test_a_layer_named_twice_in_a_stack_is_refused(huggingface_files):
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh_of(8, "auto"))
+  names = ["h.0.mlp.bias", "h.1.mlp.bias", "h.0.mlp.bias", "h.3.mlp.bias"]
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
+      "blocks.bias: tensor 'h.0.mlp.bias' is stacked into it as layers 0 and 2: name each "
+      "layer's own tensor"
+    ),
+  ):
+    zerojax.load_safetensors(
+      huggingface_files,
+      tx,
+      like(full_params()),
+      keys=lambda name: names if name == "blocks.bias" else huggingface_keys(name),
+    )
+
+
+def test_keys_that_name_no_leaf_are_refused_with_the_closest_leaves(tmp_path):
+  save_file({"embed": np.ones((4, 8), np.float32)}, str(tmp_path / "model.safetensors"))
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh_of(8, "auto"))
+  structs = {"embed": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
+  with pytest.raises(ValueError) as error:
+    zerojax.load_safetensors(
+      tmp_path / "model.safetensors", tx, structs, keys={"embd": "embed", "zzz": "embed"}
+    )
+  message = str(error.value)
+  assert "keys maps 'embd', which names no leaf (did you mean 'embed'?)" in message
+  assert "keys maps 'zzz', which names no leaf\n" in message
+  assert "leaves do not fit" not in message  # the leaf itself loads
+
+
+@pytest.mark.parametrize("piece_bytes", [16, zerojax._src.checkpoint.load.PIECE_BYTES])
+def test_values_a_dtype_cannot_hold_are_refused_naming_the_tensor_and_the_fix(
+  tmp_path, monkeypatch, piece_bytes
+):
+  monkeypatch.setattr(zerojax._src.checkpoint.load, "PIECE_BYTES", piece_bytes)
+  big = np.ones((4, 8), np.float32)
+  big[2, 4], big[2, 5] = 7e4, -1e6  # in one piece of 16 bytes: the larger magnitude is named
+  layers = {"h.0": np.ones((4, 8), np.float32), "h.1": big, "steps": np.array([1, 2**40])}
+  layers["h.0"][0, 0] = np.inf  # inf in the file stays inf: not an overflow
+  save_file(layers, str(tmp_path / "model.safetensors"))
+  path = tmp_path / "model.safetensors"
+  half = {"layers": jax.ShapeDtypeStruct((2, 4, 8), jnp.float16)}
+  keys = {"layers": ["h.0", "h.1"]}
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh_of(8, "auto"))
+  with pytest.raises(ValueError) as error:
+    zerojax.load_safetensors(path, tx, half, keys=keys)
+  assert str(error.value) == (
+    "layers: tensor 'h.1', float32, holds -1000000.0 (at (1, 2, 5) of the leaf), beyond the "
+    "range of float16 (-65504.0 to 65504.0), the leaf's dtype in `like`: cast, it would be -inf. "
+    "Give the leaf a dtype that holds it in `like` (the file's does), or rescale the tensor in "
+    "the file."
+  )
+  steps = {"steps": jax.ShapeDtypeStruct((2,), jnp.int32)}
+  with pytest.raises(
+    ValueError, match=r"steps: tensor 'steps', int64, holds 1099511627776 \(at \(1,\)"
+  ):
+    zerojax.load_safetensors(path, tx, steps)
+  # Stored in float16 by the precision policy.
+  tx = zerojax.zero1(optax.adam(1e-3), mesh=mesh_of(8, "auto"), precision="fp16")
+  full = {"layers": jax.ShapeDtypeStruct((2, 4, 8), jnp.float32)}
+  with pytest.raises(
+    ValueError, match=r"float16 .*, the dtype the precision policy stores the leaf in: cast, it"
+  ):
+    zerojax.load_safetensors(path, tx, full, keys=keys)
+  # Values it holds load, with no warning from numpy.
+  half = {"layers": jax.ShapeDtypeStruct((4, 8), jnp.float16)}
+  loaded = zerojax.load_safetensors(path, tx, half, keys={"layers": "h.0"})
+  np.testing.assert_array_equal(tx.gather(loaded)["layers"], layers["h.0"].astype(np.float16))

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -70,6 +71,10 @@ class _Source(NamedTuple):
     if self.transpose is not None:
       shape = tuple(shape[axis] for axis in self.transpose)
     return (len(self.tensors), *shape) if self.stacked else shape
+
+  def tensor_at(self, index: tuple[int, ...]) -> tensor_files.FileTensor:
+    """The tensor the leaf's element at ``index`` is read from."""
+    return self.tensors[index[0] if self.stacked else 0]
 
   def read(self, region: tuple[slice, ...]) -> np.ndarray:
     """The leaf's ``region``, read from the files: only the layers and slices in it."""
@@ -153,10 +158,14 @@ def load_safetensors(
   Raises:
     ValueError: naming every leaf whose tensor is missing from the files (and
       the closest names there), whose shape differs from ``like``'s (and the
-      ``FileKey`` that would fit, if a transpose or a stack would), or whose
-      dtype cannot become the leaf's (a float tensor for an integer leaf, or
-      a dtype zerojax cannot read); or for a path that is not safetensors, or
-      a file that is damaged or truncated.
+      ``FileKey`` that would fit, if a transpose or a stack would), whose
+      stack names a tensor twice, or whose dtype cannot become the leaf's (a
+      float tensor for an integer leaf, or a dtype zerojax cannot read), and
+      every name ``keys`` maps that no leaf has (and the closest leaves); for
+      a value that the leaf's dtype, or the one it is stored in, cannot hold
+      (1e6 into float16 would be inf); or for a path that is not
+      safetensors, or a file that is truncated or damaged (a header that
+      HuggingFace's reader refuses, such as tensors whose bytes overlap).
     TypeError: for ``keys`` that is neither a mapping nor a function, or that
       gives a leaf something other than names or a ``zerojax.FileKey``.
 
@@ -197,15 +206,15 @@ def load_safetensors(
   # optimizer state is (stage 3 stores it as the parameters).
   layout = plans.sharded if init else plans.params
 
-  def place(stored: layout_lib.LeafLayout, leaf: Any, source: _Source) -> jax.Array:
+  def place(stored: layout_lib.LeafLayout, path: Any, leaf: Any, source: _Source) -> jax.Array:
     sharding = NamedSharding(settings.mesh, stored.partition_spec)
-    return _place(source, stored, np.dtype(leaf.dtype), sharding)
+    return _place(_name(path), source, stored, np.dtype(leaf.dtype), sharding)
 
   placed = jax.tree.unflatten(
     treedef,
     [
-      place(stored, leaf, source)
-      for stored, (_, leaf), source in zip(layout.leaves, named, sources, strict=True)
+      place(stored, path, leaf, source)
+      for stored, (path, leaf), source in zip(layout.leaves, named, sources, strict=True)
     ],
   )
   if not init:
@@ -229,7 +238,11 @@ PIECE_BYTES = 4 * 2**20
 
 
 def _place(
-  source: _Source, stored: layout_lib.LeafLayout, dtype: np.dtype, sharding: NamedSharding
+  name: str,
+  source: _Source,
+  stored: layout_lib.LeafLayout,
+  dtype: np.dtype,
+  sharding: NamedSharding,
 ) -> jax.Array:
   """The stored leaf, made of the shards this process's devices hold, each read from the files.
 
@@ -249,7 +262,12 @@ def _place(
   for cover in [box] if box is not None else list(shards):
     for piece in _pieces(_clipped(cover, stored.shape), PIECE_BYTES // itemsize):
       values = source.read(tuple(slice(a, b) for a, b in piece))
-      values = values.astype(dtype, copy=False).astype(stored.dtype, copy=False)
+      for cast_to, held_by in ((dtype, _LIKE), (stored.dtype, _STORED)):
+        cast = _cast(values, cast_to)
+        lost = _lost(values, cast)
+        if lost is not None:
+          raise _unheld(name, source, piece, values, cast, lost, held_by)
+        values = cast
       for region, shard in shards.items():
         _copy_overlap(values, piece, shard, region)
   arrays, left = [], collections.Counter(devices.values())
@@ -262,6 +280,72 @@ def _place(
 
 
 Bounds = tuple[tuple[int, int], ...]
+
+#: Whose dtype a value is cast to, and how to give it one that holds the value: ``like``'s,
+#: then the one the precision policy stores the leaf in.
+_LIKE = (
+  "the leaf's dtype in `like`",
+  "Give the leaf a dtype that holds it in `like` (the file's does)",
+)
+_STORED = (
+  "the dtype the precision policy stores the leaf in",
+  "Choose a precision policy whose dtypes hold it (bfloat16 has float32's range)",
+)
+
+
+def _cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  with np.errstate(over="ignore"):  # what numpy would warn of, _lost finds
+    return values.astype(dtype, copy=False)
+
+
+def _range(dtype: np.dtype) -> tuple[Any, Any]:
+  info = ml_dtypes.finfo(dtype) if jnp.issubdtype(dtype, jnp.inexact) else np.iinfo(dtype)
+  return info.min, info.max
+
+
+def _lost(values: np.ndarray, cast: np.ndarray) -> tuple[int, ...] | None:
+  """Where in ``values`` is the one of largest magnitude that ``cast`` (``values`` in another dtype
+  of the same kind) lost: a finite float made infinite, or an integer wrapped round; or ``None``.
+
+  Made of masks of one piece, only where the dtype's range narrows: no copy of a whole leaf.
+  """
+  if values.dtype == cast.dtype:
+    return None
+  (low, high), (cast_low, cast_high) = _range(values.dtype), _range(cast.dtype)
+  if cast_low <= low and high <= cast_high:
+    return None
+  if jnp.issubdtype(cast.dtype, jnp.inexact):
+    lost = np.isinf(cast)
+    if not lost.any():
+      return None
+    lost &= np.isfinite(values)  # inf in the file stays inf
+  else:
+    lost = (values < cast_low) | (values > cast_high)
+  if not lost.any():
+    return None
+  magnitudes = np.where(lost, np.abs(values.astype(np.float64)), -1)
+  return tuple(int(i) for i in np.unravel_index(np.argmax(magnitudes), values.shape))
+
+
+def _unheld(
+  name: str,
+  source: _Source,
+  piece: Bounds,
+  values: np.ndarray,
+  cast: np.ndarray,
+  lost: tuple[int, ...],
+  held_by: tuple[str, str],
+) -> ValueError:
+  """The error for the value at ``lost`` in the ``piece`` of leaf ``name`` read from ``source``."""
+  index = tuple(start + i for (start, _), i in zip(piece, lost, strict=True))
+  tensor = source.tensor_at(index)
+  low, high = _range(cast.dtype)
+  whose, fix = held_by
+  return ValueError(
+    f"{name}: tensor {tensor.name!r}, {tensor.dtype.name}, holds {values[lost]} (at {index} of "
+    f"the leaf), beyond the range of {cast.dtype.name} ({low} to {high}), {whose}: cast, it "
+    f"would be {cast[lost]}. {fix}, or rescale the tensor in the file."
+  )
 
 
 def _bounds(index: Any, shape: tuple[int, ...]) -> Bounds:
@@ -324,7 +408,7 @@ def _sources(
     names = [key.key] if isinstance(key.key, str) else list(key.key)
     missing = [n for n in names if n not in found]
     if missing:
-      problems.append(_missing(name, missing, found, keys, [n for n, _ in leaves]))
+      problems.append(_missing(name, missing, found, keys))
       sources.append(None)
       continue
     tensors = tuple(found[n] for n in names)
@@ -333,18 +417,25 @@ def _sources(
     if problem:
       problems.append(problem)
     sources.append(_Source(tensors, not isinstance(key.key, str), transpose))
-  if problems:
-    shown = "\n".join(f"  {line}" for line in problems[:20])
-    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-    names = list(found)
-    held = (
-      f"The files hold {len(names)} tensors ({', '.join(names[:4])}{', ...' * (len(names) > 4)}). "
-    )
+  strays = _strays(keys, [n for n, _ in leaves])
+  if problems or strays:
+    lines = [*problems, *strays]
+    shown = "\n".join(f"  {line}" for line in lines[:20])
+    more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
+    what, held = [], ""
+    if problems:
+      what.append(
+        f"{len(problems)} of {len(leaves)} leaves do not fit the tensors in {_shown(paths)}"
+      )
+      names = list(found)
+      listed = f"{', '.join(names[:4])}{', ...' * (len(names) > 4)}"
+      held = f"The files hold {len(names)} tensors ({listed}). "
+    if strays:
+      what.append("keys maps names that no leaf has")
     raise ValueError(
-      f"{len(problems)} of {len(leaves)} leaves do not fit the tensors in {_shown(paths)}:\n"
-      f"{shown}{more}\n{held}A leaf's name is its path in `like`, keys joined with '.'; pass "
-      "keys={leaf name: file name (or names to stack, or zerojax.FileKey(name, transpose=...))} "
-      "or a function of the leaf's name."
+      f"{', and '.join(what)}:\n{shown}{more}\n{held}A leaf's name is its path in `like`, keys "
+      "joined with '.'; pass keys={leaf name: file name (or names to stack, or "
+      "zerojax.FileKey(name, transpose=...))} or a function of the leaf's name."
     )
   return sources
 
@@ -372,22 +463,25 @@ def _key_of(name: str, keys: Any) -> FileKey:
   )
 
 
-def _missing(
-  name: str, missing: list[str], found: dict[str, Any], keys: Any, leaves: list[str]
-) -> str:
+def _missing(name: str, missing: list[str], found: dict[str, Any], keys: Any) -> str:
   close = difflib.get_close_matches(missing[0], list(found), n=3, cutoff=0.5)
   hint = f"; the closest there: {close}" if close else ""
   mapped = keys is not None and (not isinstance(keys, Mapping) or name in keys)
-  if isinstance(keys, Mapping) and not mapped:
-    # A leaf that keeps its own name because keys misspells it.
-    known = set(leaves)
-    strays = [k for k in keys if k not in known]
-    stray = difflib.get_close_matches(name, strays, n=1, cutoff=0.5)
-    if stray:
-      hint += f"; keys maps {stray[0]!r}, which names no leaf (did you mean {name!r}?)"
   given = " (from keys)" if mapped else ""
   what = f"tensor {missing[0]!r}" if len(missing) == 1 else f"tensors {missing[:3]}..."
   return f"{name}: {what}{given} is not in the files{hint}"
+
+
+def _strays(keys: Any, leaves: list[str]) -> list[str]:
+  """A line for each name that ``keys`` maps and no leaf has, with the leaves closest to it."""
+  if not isinstance(keys, Mapping):
+    return []
+  known, lines = set(leaves), []
+  for key in (k for k in keys if k not in known):
+    close = difflib.get_close_matches(str(key), leaves, n=3, cutoff=0.5)
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    lines.append(f"keys maps {key!r}, which names no leaf{hint}")
+  return lines
 
 
 def _unfit(
@@ -399,6 +493,14 @@ def _unfit(
 ) -> str | None:
   """What keeps ``tensors`` from being read into ``leaf``, or ``None``."""
   first = tensors[0]
+  counts = collections.Counter(t.name for t in tensors)
+  repeated = next((n for n, count in counts.items() if count > 1), None)
+  if repeated is not None:
+    layers = [str(i) for i, t in enumerate(tensors) if t.name == repeated]
+    return (
+      f"{name}: tensor {repeated!r} is stacked into it as layers {', '.join(layers[:-1])} and "
+      f"{layers[-1]}: name each layer's own tensor, one per index of the leaf's leading dimension"
+    )
   try:
     dtypes = {t.dtype for t in tensors}
   except ValueError as error:

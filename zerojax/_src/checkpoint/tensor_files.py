@@ -111,7 +111,8 @@ class FileTensor:
         try:
           _read_region(file, self.offset, self.shape, region, out)
         except EOFError:
-          raise _truncated(self.path, self.name) from None  # it shrank since its header was read
+          where = f"before the data of tensor {self.name!r}"
+          raise _truncated(self.path, where, "it was cut after its header was read") from None
     return out
 
 
@@ -187,10 +188,16 @@ def _read_exactly(file: io.FileIO, offset: int, dest: np.ndarray) -> None:
     done += count
 
 
-def _truncated(path: str, name: str) -> ValueError:
+def _truncated(path: str, where: str, sizes: str) -> ValueError:
   return ValueError(
-    f"{path} ends before the data of tensor {name!r}: the file is truncated (an interrupted "
-    "download or copy?). Fetch it again."
+    f"{path} ends {where}: the file is truncated (an interrupted download or copy?); {sizes}. "
+    "Fetch it again."
+  )
+
+
+def _damaged(what: str) -> ValueError:
+  return ValueError(
+    f"{what}: the file is damaged (HuggingFace's safetensors refuses it too). Fetch it again."
   )
 
 
@@ -267,9 +274,18 @@ def _files(path: Path) -> list[str]:
 
 def _header(path: str) -> dict[str, FileTensor]:
   with open(path, "rb") as file:
-    length = int.from_bytes(file.read(8), "little")
     file.seek(0, os.SEEK_END)
     size = file.tell()
+    file.seek(0)
+    length = int.from_bytes(file.read(8), "little")
+    opening = file.read(1)
+    if size < 8:
+      raise _truncated(
+        path, "inside its first 8 bytes, its header's length", f"it has {size} bytes"
+      )
+    if opening in (b"{", b"") and size - 8 < length <= _MAX_HEADER_BYTES:  # the start of one
+      sizes = f"its first 8 bytes give a header of {length} bytes, and it has {size - 8} after them"
+      raise _truncated(path, "inside its header", sizes)
     if not 2 <= length <= min(_MAX_HEADER_BYTES, size - 8):
       raise ValueError(f"{path} is not a safetensors file (its first 8 bytes give no header).")
     file.seek(8)
@@ -281,20 +297,47 @@ def _header(path: str) -> dict[str, FileTensor]:
         f"{path} is not a safetensors file (its header is not a JSON object giving each "
         "tensor's dtype, shape and data_offsets)."
       ) from None
-  start = 8 + length
-  found = {}
-  for name, (dtype_name, shape, begin, end) in entries.items():
-    tensor = FileTensor(path, name, dtype_name, shape, start + begin)
-    itemsize = DTYPES[tensor.dtype_name].itemsize if tensor.dtype_name in DTYPES else None
-    if begin < 0 or (itemsize is not None and end - begin != math.prod(tensor.shape) * itemsize):
-      raise ValueError(
-        f"tensor {name!r} in {path} has {end - begin} bytes for shape {tensor.shape} of "
-        f"{tensor.dtype_name}: the file is damaged."
+  _check_data_offsets(path, entries, size - 8 - length)
+  return {
+    name: FileTensor(path, name, dtype_name, shape, 8 + length + begin)
+    for name, (dtype_name, shape, begin, _) in entries.items()
+  }
+
+
+def _check_data_offsets(
+  path: str, entries: dict[str, tuple[str, tuple[int, ...], int, int]], data_size: int
+) -> None:
+  """HuggingFace's checks of a header: sorted by where they begin, the tensors' bytes follow one
+  another from the data's first byte to its last, each as many as its shape and dtype take."""
+  ordered = sorted(entries.items(), key=lambda entry: entry[1][2:])
+  previous, start, at = None, 0, 0  # the tensor before, and where its bytes start and end
+  for name, (dtype_name, shape, begin, end) in ordered:
+    tensor = f"tensor {name!r} in {path}"
+    if not 0 <= begin <= end:
+      raise _damaged(
+        f"{tensor} has data_offsets [{begin}, {end}], which are no range of the data's bytes"
       )
-    if start + end > size:
-      raise _truncated(path, name)
-    found[name] = tensor
-  return found
+    if begin < at:
+      raise _damaged(
+        f"{tensor} starts at byte {begin} of the data, inside tensor {previous!r} (bytes {start} "
+        f"to {at})"
+      )
+    if begin > at:
+      raise _damaged(
+        f"{tensor} starts at byte {begin} of the data, and no tensor holds bytes {at} to {begin}"
+      )
+    if dtype_name in DTYPES and end - begin != math.prod(shape) * DTYPES[dtype_name].itemsize:
+      raise _damaged(f"{tensor} has {end - begin} bytes for shape {shape} of {dtype_name}")
+    if end > data_size:
+      total = max(entry[3] for entry in entries.values())
+      sizes = f"its header gives {total} bytes of data, and it has {data_size} after the header"
+      raise _truncated(path, f"before the data of tensor {name!r}", sizes)
+    previous, start, at = name, begin, end
+  if at < data_size:
+    held = f"{path} holds {data_size - at} bytes"
+    if previous is None:
+      raise _damaged(f"{held} of data after its header, which names no tensor")
+    raise _damaged(f"{held} after the data of its last tensor, {previous!r}, which no tensor holds")
 
 
 def _entry(entry: Any) -> tuple[str, tuple[int, ...], int, int]:
