@@ -93,9 +93,11 @@ def pipeline(
 
   Randomness inside the stages (dropout) comes from ``key``: ``stage_fn`` is
   then called as ``stage_fn(params, h, key)``, with ``key`` (a PRNG key, or a
-  pytree of them) folded with the micro-batch ``m`` and then the stage ``s``:
-  ``jax.random.fold_in(jax.random.fold_in(key, m), s)``, the same in the
-  forward pass and the backward pass. Inside ``zerojax.value_and_grad`` every
+  pytree of them) folded with the micro-batch ``m`` and then the virtual stage
+  ``c`` (the stage ``s``; with ``virtual_stages``, ``k S + s`` for chunk ``k``):
+  ``jax.random.fold_in(jax.random.fold_in(key, m), c)``, the same in the
+  forward pass and the backward pass. Fold in each layer's index within the
+  stage (or chunk) for a mask per layer. Inside ``zerojax.value_and_grad`` every
   data device gets the same key unless it differs per device (fold in
   ``jax.lax.axis_index("data")``, or pass one key per device as a batch
   argument). The activations may also carry integer leaves (keys, positions)
@@ -123,7 +125,7 @@ def pipeline(
       holds a stage's whole gradient as stage 1 does; per micro-batch at stage
       3, which would otherwise hold the stage's gathered weights as well.
     key: a PRNG key (or a pytree of them) for randomness inside the stages,
-      handed to ``stage_fn`` folded with the micro-batch and the stage.
+      handed to ``stage_fn`` folded with the micro-batch and the virtual stage.
     virtual_stages: ``schedule="interleaved"``'s chunks per stage, ``v``.
       Each stage's stacked layers (their second axis) are then ``v`` chunks
       in turn, chunk ``k`` of stage ``s`` being virtual stage ``k S + s``,
