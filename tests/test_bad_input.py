@@ -403,6 +403,11 @@ def forward_without_a_batch(types):
   jax.jit(zerojax.forward(lambda params: zerojax.gather(params)["w"], tx))(_w(tx))
 
 
+def pipeline_key_for_a_stage_fn_without_one(types):
+  mesh = _stage_mesh(types)
+  _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, key=jax.random.key(0))
+
+
 def _stage_mesh(types):
   return jax.make_mesh((2, 4), ("stage", "data"), (types, types))
 
@@ -639,6 +644,8 @@ CASES = {
   ),
   "zerojax.forward's fn returned a scalar at its output": forward_returns_a_scalar,
   "zerojax.forward's function was called with no batch arguments": forward_without_a_batch,
+  "zerojax.pipeline was given key=, so it calls stage_fn(params, h, key), but stage_fn takes "
+  "(w, h)": pipeline_key_for_a_stage_fn_without_one,
   "min_shard_size must be an int, 0 or more (the fewest elements a leaf needs to be split), "
   "got '1024'": min_shard_size_as_text,
   "TypeError: CheckpointManager's spec is a zerojax.StateSpec, got ZeroTransformation": (

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -162,6 +163,7 @@ def pipeline(
     raise ValueError("loss_params= and targets= are read by loss_fn=...: pass loss_fn too.")
   if not isinstance(targets, tuple):
     raise ValueError(f"targets must be a tuple of arrays (or pytrees), got {_kind(targets)}.")
+  _check_stage_fn(stage_fn, key)
   mesh = mesh_of(axis_name, (stage_params, x))
   stages = mesh.shape[axis_name]
   check_virtual_stages(schedule, virtual_stages, stages, microbatches)
@@ -297,6 +299,28 @@ def mesh_of(axis_name: str, trees: Any) -> Any:
       f"pipeline stages over; {fix}"
     )
   return mesh
+
+
+def _check_stage_fn(stage_fn: Callable[..., Any], key: Any) -> None:
+  """Raises if ``key=`` is given and ``stage_fn`` cannot take it as a third argument.
+
+  A function whose signature Python cannot read (some builtins) is not checked.
+  """
+  if key is None:
+    return
+  try:
+    signature = inspect.signature(stage_fn)
+  except (TypeError, ValueError):
+    return
+  try:
+    signature.bind(None, None, None)
+  except TypeError:
+    raise ValueError(
+      f"zerojax.pipeline was given key=, so it calls stage_fn(params, h, key), but stage_fn "
+      f"takes {signature.replace(return_annotation=inspect.Signature.empty)}: give it a third "
+      "parameter, stage_fn(params, h, key), and draw each layer's numbers from it (fold in "
+      "the layer's index), or drop key=."
+    ) from None
 
 
 def _check_stage_params(stage_params: Any, stages: int, axis_name: str, chunks: int) -> None:
