@@ -403,6 +403,14 @@ def forward_without_a_batch(types):
   jax.jit(zerojax.forward(lambda params: zerojax.gather(params)["w"], tx))(_w(tx))
 
 
+def forward_returns_a_gathered_parameter(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  w = lambda params: zerojax.gather(params)["w"]
+  jax.jit(zerojax.forward(lambda params, x: (x @ w(params), w(params)), tx))(
+    _w(tx), jnp.ones((16, 4))
+  )
+
+
 def pipeline_key_for_a_stage_fn_without_one(types):
   mesh = _stage_mesh(types)
   _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, key=jax.random.key(0))
@@ -644,6 +652,10 @@ CASES = {
   ),
   "zerojax.forward's fn returned a scalar at its output": forward_returns_a_scalar,
   "zerojax.forward's function was called with no batch arguments": forward_without_a_batch,
+  "zerojax.forward's fn returned [1] of shape (4, 1024) on each device, where the batch has 2 "
+  "rows ... gather parameters outside forward with tx.gather(params)": (
+    forward_returns_a_gathered_parameter
+  ),
   "zerojax.pipeline was given key=, so it calls stage_fn(params, h, key), but stage_fn takes "
   "(w, h)": pipeline_key_for_a_stage_fn_without_one,
   "min_shard_size must be an int, 0 or more (the fewest elements a leaf needs to be split), "
