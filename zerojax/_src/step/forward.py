@@ -34,7 +34,8 @@ def forward(fn: Callable[..., Any], tx: zero_lib.ZeroTransformation) -> Callable
   Parameters arrive in the precision policy's compute dtype. Every leaf ``fn``
   returns must have a leading batch axis, of the device's rows: the devices'
   results are laid side by side along it, as the batch was split (logits,
-  per-example losses, a KV cache).
+  per-example losses, a KV cache). What ``fn`` carries through a loop and fills
+  from the batch (a KV cache) comes in as a batch argument too.
 
   Args:
     fn: ``fn(params, *batch)`` returning a pytree of per-example arrays.
@@ -89,13 +90,33 @@ class _Forward:
         self.fn(opened, *batch), rows, settings.num_shards * settings.num_replicas
       )
 
-    return jax.shard_map(
-      ordering.ordered(settings.mesh, per_device),
-      mesh=settings.mesh,
-      in_specs=(param_specs, *batch_specs),
-      out_specs=P(settings.batch_axes),
-      axis_names=set(settings.batch_axes),
-    )(params, *batch)
+    try:
+      return jax.shard_map(
+        ordering.ordered(settings.mesh, per_device),
+        mesh=settings.mesh,
+        in_specs=(param_specs, *batch_specs),
+        out_specs=P(settings.batch_axes),
+        axis_names=set(settings.batch_axes),
+      )(params, *batch)
+    except TypeError as error:
+      # JAX finds it only once fn is traced: a loop's carry that fn made (the same on every
+      # device) comes out of the loop body varying over the batch axes.
+      line = next((x for x in str(error).splitlines() if _CARRY_MISMATCH in x), None)
+      if line is None:
+        raise
+      jax_says = line.strip().rstrip(".")
+      raise ValueError(
+        "zerojax.forward's fn carries a value it made itself through a loop (jax.lax.scan, "
+        "jax.lax.fori_loop, zerojax.scan) and fills it from the batch: the value starts the "
+        "same on every device and comes out of the loop each device's own, which JAX refuses "
+        f"({jax_says}). To sample, pass a KV cache as a batch argument, f(params, tokens, "
+        "cache, ...), split over the devices like the batch, and return it; a carry that is "
+        "not per example starts as jax.lax.pcast(value, tx.batch_axes, to='varying')."
+      ) from error
+
+
+#: What JAX says of a loop's carry whose manual axes (varying or not) change in the loop body.
+_CARRY_MISMATCH = "so the manual axis types do not match"
 
 
 def _per_example(out: Any, rows: int, devices: int) -> Any:
