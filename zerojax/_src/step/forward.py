@@ -37,6 +37,12 @@ def forward(fn: Callable[..., Any], tx: zero_lib.ZeroTransformation) -> Callable
   per-example losses, a KV cache). What ``fn`` carries through a loop and fills
   from the batch (a KV cache) comes in as a batch argument too.
 
+  The results are split over the batch axes as the batch was. On explicit
+  axes (``jax.make_mesh``'s default) they are typed so, and JAX indexes them
+  across the split only when told where the result goes:
+  ``out.at[0].get(out_sharding=jax.NamedSharding(tx.mesh, jax.P()))``, or
+  ``np.asarray(out)[0]`` on the host.
+
   Args:
     fn: ``fn(params, *batch)`` returning a pytree of per-example arrays.
     tx: the ``ZeroTransformation`` that stores the parameters.
