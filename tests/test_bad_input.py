@@ -403,6 +403,29 @@ def forward_without_a_batch(types):
   jax.jit(zerojax.forward(lambda params: zerojax.gather(params)["w"], tx))(_w(tx))
 
 
+def forward_returns_a_gathered_parameter(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  w = lambda params: zerojax.gather(params)["w"]
+  jax.jit(zerojax.forward(lambda params, x: (x @ w(params), w(params)), tx))(
+    _w(tx), jnp.ones((16, 4))
+  )
+
+
+def forward_builds_a_kv_cache(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+
+  def decode(params, x):  # the cache made inside, then filled from the batch in a loop
+    fill = lambda i, cache: cache.at[:, i].set(x @ zerojax.gather(params)["w"])
+    return jax.lax.fori_loop(0, 2, fill, jnp.zeros((x.shape[0], 2, 1024)))
+
+  jax.jit(zerojax.forward(decode, tx))(_w(tx), jnp.ones((16, 4)))
+
+
+def pipeline_key_for_a_stage_fn_without_one(types):
+  mesh = _stage_mesh(types)
+  _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, key=jax.random.key(0))
+
+
 def _stage_mesh(types):
   return jax.make_mesh((2, 4), ("stage", "data"), (types, types))
 
@@ -639,6 +662,14 @@ CASES = {
   ),
   "zerojax.forward's fn returned a scalar at its output": forward_returns_a_scalar,
   "zerojax.forward's function was called with no batch arguments": forward_without_a_batch,
+  "zerojax.forward's fn returned [1] of shape (4, 1024) on each device, where the batch has 2 "
+  "rows ... gather parameters outside forward with tx.gather(params)": (
+    forward_returns_a_gathered_parameter
+  ),
+  "zerojax.forward's fn carries a value it made itself through a loop ... pass a KV cache as a "
+  "batch argument": forward_builds_a_kv_cache,
+  "zerojax.pipeline was given key=, so it calls stage_fn(params, h, key), but stage_fn takes "
+  "(w, h)": pipeline_key_for_a_stage_fn_without_one,
   "min_shard_size must be an int, 0 or more (the fewest elements a leaf needs to be split), "
   "got '1024'": min_shard_size_as_text,
   "TypeError: CheckpointManager's spec is a zerojax.StateSpec, got ZeroTransformation": (

@@ -155,6 +155,23 @@ def test_a_scalar_output_says_to_return_per_example_values():
   assert float(np.mean(zerojax.forward(per_example, tx)(params, jnp.ones((8, 64))))) == 64.0
 
 
+@pytest.mark.parametrize("types", MESH_TYPES.values(), ids=MESH_TYPES)
+def test_a_result_is_indexed_as_the_docs_say(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh_of(types))
+  params = tx.shard({"w": jnp.eye(64)})
+  x = jnp.arange(16 * 64.0).reshape(16, 64)
+  out = zerojax.forward(lambda params, x: x @ zerojax.gather(params)["w"], tx)(params, x)
+  row = out.at[3].get(out_sharding=jax.NamedSharding(tx.mesh, jax.P()))
+  np.testing.assert_array_equal(row, x[3])
+  np.testing.assert_array_equal(np.asarray(out)[3], x[3])
+  if types == AxisType.Explicit:  # typed as split over the batch axis: JAX asks where row 3 goes
+    with pytest.raises(Exception, match=r"\.at\[\.\.\.\]\.get\(out_sharding=") as raised:
+      out[3]
+    assert type(raised.value).__name__ == "ShardingTypeError"
+  else:
+    np.testing.assert_array_equal(out[3], x[3])
+
+
 class NnxModel(nnx.Module):
   def __init__(self, rngs):
     self.hidden = nnx.Linear(13, D, rngs=rngs)

@@ -333,43 +333,53 @@ KEEP = 0.75  # dropout's keep probability
 
 
 def dropout_stage(layers, h, key):
-  """A stage whose layers drop a quarter of each layer's update, layer ``i`` with key ``i``."""
+  """A stage (or chunk) whose layers drop a quarter of each layer's update, layer ``i`` of
+  the stage with key ``i``, as docs/pipeline.md does."""
 
   def body(h, inputs):
     w, i = inputs
     keep = jax.random.bernoulli(jax.random.fold_in(key, i), KEEP, h.shape)
     return h + jnp.where(keep, jax.nn.silu(h @ w["w"] + w["b"]), 0.0) / KEEP, None
 
-  return zerojax.scan(body, h, (layers, jnp.arange(LAYERS // 2)))[0]
+  count = jax.tree.leaves(layers)[0].shape[0]  # a Shard's value keeps its layer axis whole
+  return zerojax.scan(body, h, (layers, jnp.arange(count)))[0]
 
 
-def dropout_reference(params, x, labels, key, slices: int, microbatches: int):
+def dropout_reference(params, x, labels, key, slices: int, microbatches: int, chunks: int = 2):
   """The mean loss over ``slices`` devices' rows and their micro-batches, one at a time.
 
-  Micro-batch ``m`` of a device's slice is its rows ``i % microbatches == m``, and stage ``s``
-  draws with ``fold_in(fold_in(key, m), s)``, as ``zerojax.pipeline`` says.
+  Micro-batch ``m`` of a device's slice is its rows ``i % microbatches == m``; the layers, in
+  order, are ``chunks`` virtual stages, and virtual stage ``c`` draws with
+  ``fold_in(fold_in(key, m), c)``, as docs/pipeline.md says.
   """
-  losses = []
+  losses, n = [], params["layers"]["w"].shape[0] // chunks
   for rows in jnp.split(jnp.arange(x.shape[0]), slices):
     for m in range(microbatches):
       h = x[rows[m::microbatches]] @ params["embed"]
-      for s in range(2):
-        block = jax.tree.map(lambda a, s=s: a[2 * s : 2 * s + 2], params["layers"])
-        h = dropout_stage(block, h, jax.random.fold_in(jax.random.fold_in(key, m), s))
+      for c in range(chunks):
+        block = jax.tree.map(lambda a, c=c: a[c * n : (c + 1) * n], params["layers"])
+        h = dropout_stage(block, h, jax.random.fold_in(jax.random.fold_in(key, m), c))
       losses.append(head_loss(params["head"], h, labels[rows[m::microbatches]]))
   return jnp.mean(jnp.stack(losses))
 
 
 @pytest.mark.parametrize(
   "shape, kind, stage, schedule",
-  [((2, 4), EXPLICIT, 3, "1f1b"), ((2, 2, 2), AUTO, 3, "gpipe"), ((2, 2, 2), AUTO, 2, "1f1b")],
+  [
+    ((2, 4), EXPLICIT, 3, "1f1b"),
+    ((2, 2, 2), AUTO, 3, "gpipe"),
+    ((2, 2, 2), AUTO, 2, "1f1b"),
+    ((2, 4), EXPLICIT, 3, "interleaved"),
+    ((2, 2, 2), AUTO, 2, "interleaved"),
+  ],
 )
 def test_dropout_inside_the_stages_draws_per_micro_batch_and_stage(shape, kind, stage, schedule):
   # The key is an argument of the jitted step, closed over by the loss: each micro-batch and
-  # stage draws its own masks, the same in the backward pass as in the forward pass.
+  # virtual stage draws its own masks, the same in the backward pass as in the forward pass.
   mesh = make_mesh(shape, kind)
   tx = STAGES[stage](optax.sgd(0.1), mesh=mesh, min_shard_size=256)
-  options = dict(microbatches=2, schedule=schedule)
+  chunks = 2 if schedule == "interleaved" else 1  # per stage: virtual stage k S + s on stage s
+  options = dict(microbatches=2, schedule=schedule, virtual_stages=chunks if chunks > 1 else None)
 
   def step(params, x, labels, key):
     def loss(params, x, labels):
@@ -392,16 +402,47 @@ def test_dropout_inside_the_stages_draws_per_micro_batch_and_stage(shape, kind, 
 
   key = jax.random.key(7)
   with jax.set_mesh(mesh):
-    params = tx.shard(placed(mesh))
+    params = tx.shard(placed(mesh, virtual_stages=chunks))
     batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
     value, grads = jax.jit(step)(params, *batch, key)
-    grads = unstaged(tx.gather(grads))
+    grads = unstaged(tx.gather(grads), virtual_stages=chunks)
   one = jax.device_put((make_params(), make_batch(), key), jax.devices()[0])
-  reference = functools.partial(dropout_reference, slices=mesh.shape["data"], microbatches=2)
+  reference = functools.partial(
+    dropout_reference, slices=mesh.shape["data"], microbatches=2, chunks=2 * chunks
+  )
   want_value, want = jax.jit(jax.value_and_grad(reference))(one[0], *one[1], one[2])
   assert float(value) == pytest.approx(float(want_value), rel=1e-5)
   chex.assert_trees_all_close(grads, want, **ROUNDING)
   assert float(value) != pytest.approx(float(expected()[0]), rel=1e-3)  # the masks drop
+
+
+@pytest.mark.parametrize("kind", [EXPLICIT, AUTO], ids=["explicit", "auto"])
+def test_the_chunks_of_a_stage_draw_their_own_masks(kind):
+  # Each layer adds its weights where its mask keeps: a weight's gradient counts the rows its
+  # mask kept. Virtual stages s and S + s run on stage s, and must not draw the same masks.
+  mesh = make_mesh((2, 4), kind)
+  stages, chunks, microbatches = 2, 2, 2
+
+  def chunk(w, h, key):
+    def body(h, inputs):
+      w, i = inputs
+      keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.5, h.shape)
+      return h + jnp.where(keep, w, 0), None
+
+    return jax.lax.scan(body, h, (w, jnp.arange(w.shape[0])))[0]
+
+  def loss(w, h, key):
+    options = dict(schedule="interleaved", virtual_stages=chunks, key=key)
+    mean = lambda _, h: jnp.mean(h)
+    return zerojax.pipeline(chunk, w, h, microbatches=microbatches, loss_fn=mean, **options)
+
+  w = jnp.zeros((stages, chunks * LAYERS, WIDTH))
+  with jax.set_mesh(mesh):
+    w = jax.device_put(w, NamedSharding(mesh, P("stage")))
+    kept = jax.jit(jax.grad(loss))(w, jnp.zeros((BATCH, WIDTH)), jax.random.key(3))
+  kept = np.asarray(kept).reshape(stages, chunks, LAYERS, WIDTH)
+  for s in range(stages):
+    assert not np.array_equal(kept[s, 0], kept[s, 1]), f"virtual stages {s} and {s + stages}"
 
 
 def row_dropout_layers(layers, h, first=0):

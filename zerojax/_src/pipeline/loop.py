@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -93,9 +94,11 @@ def pipeline(
 
   Randomness inside the stages (dropout) comes from ``key``: ``stage_fn`` is
   then called as ``stage_fn(params, h, key)``, with ``key`` (a PRNG key, or a
-  pytree of them) folded with the micro-batch ``m`` and then the stage ``s``:
-  ``jax.random.fold_in(jax.random.fold_in(key, m), s)``, the same in the
-  forward pass and the backward pass. Inside ``zerojax.value_and_grad`` every
+  pytree of them) folded with the micro-batch ``m`` and then the virtual stage
+  ``c`` (the stage ``s``; with ``virtual_stages``, ``k S + s`` for chunk ``k``):
+  ``jax.random.fold_in(jax.random.fold_in(key, m), c)``, the same in the
+  forward pass and the backward pass. Fold in each layer's index within the
+  stage (or chunk) for a mask per layer. Inside ``zerojax.value_and_grad`` every
   data device gets the same key unless it differs per device (fold in
   ``jax.lax.axis_index("data")``, or pass one key per device as a batch
   argument). The activations may also carry integer leaves (keys, positions)
@@ -123,7 +126,7 @@ def pipeline(
       holds a stage's whole gradient as stage 1 does; per micro-batch at stage
       3, which would otherwise hold the stage's gathered weights as well.
     key: a PRNG key (or a pytree of them) for randomness inside the stages,
-      handed to ``stage_fn`` folded with the micro-batch and the stage.
+      handed to ``stage_fn`` folded with the micro-batch and the virtual stage.
     virtual_stages: ``schedule="interleaved"``'s chunks per stage, ``v``.
       Each stage's stacked layers (their second axis) are then ``v`` chunks
       in turn, chunk ``k`` of stage ``s`` being virtual stage ``k S + s``,
@@ -160,6 +163,7 @@ def pipeline(
     raise ValueError("loss_params= and targets= are read by loss_fn=...: pass loss_fn too.")
   if not isinstance(targets, tuple):
     raise ValueError(f"targets must be a tuple of arrays (or pytrees), got {_kind(targets)}.")
+  _check_stage_fn(stage_fn, key)
   mesh = mesh_of(axis_name, (stage_params, x))
   stages = mesh.shape[axis_name]
   check_virtual_stages(schedule, virtual_stages, stages, microbatches)
@@ -295,6 +299,28 @@ def mesh_of(axis_name: str, trees: Any) -> Any:
       f"pipeline stages over; {fix}"
     )
   return mesh
+
+
+def _check_stage_fn(stage_fn: Callable[..., Any], key: Any) -> None:
+  """Raises if ``key=`` is given and ``stage_fn`` cannot take it as a third argument.
+
+  A function whose signature Python cannot read (some builtins) is not checked.
+  """
+  if key is None:
+    return
+  try:
+    signature = inspect.signature(stage_fn)
+  except (TypeError, ValueError):
+    return
+  try:
+    signature.bind(None, None, None)
+  except TypeError:
+    raise ValueError(
+      f"zerojax.pipeline was given key=, so it calls stage_fn(params, h, key), but stage_fn "
+      f"takes {signature.replace(return_annotation=inspect.Signature.empty)}: give it a third "
+      "parameter, stage_fn(params, h, key), and draw each layer's numbers from it (fold in "
+      "the layer's index), or drop key=."
+    ) from None
 
 
 def _check_stage_params(stage_params: Any, stages: int, axis_name: str, chunks: int) -> None:

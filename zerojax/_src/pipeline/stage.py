@@ -118,15 +118,21 @@ class Stage:
     missing = tuple(a for a in (self.config.axis_name, *axes) if a not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
-  def call(self, params: Any, h: Any, m: Any) -> Any:
-    """``stage_fn`` on micro-batch ``m``: with its key, if the pipeline was given one."""
+  def call(self, params: Any, h: Any, m: Any, k: Any) -> Any:
+    """``stage_fn`` on micro-batch ``m``, chunk ``k``: with its key, if the pipeline has one."""
     if self.key is None:
       return self.config.stage_fn(params, h)
-    return self.config.stage_fn(params, h, self.key_for(m))
+    return self.config.stage_fn(params, h, self.key_for(m, k))
 
-  def key_for(self, m: Any) -> Any:
-    """The key of micro-batch ``m`` on this stage: ``key`` folded with ``m``, then the stage."""
-    fold = lambda k: jax.random.fold_in(jax.random.fold_in(k, m), self.index)
+  def key_for(self, m: Any, k: Any) -> Any:
+    """The key of micro-batch ``m`` in chunk ``k`` of this stage: ``key`` folded with ``m``,
+    then the virtual stage ``k S + s`` (the stage itself, with one chunk).
+
+    So each virtual stage draws its own numbers, and a stage function that folds in its
+    layer's index within the chunk gives every layer of the model its own.
+    """
+    virtual = k * self.config.stages + self.index
+    fold = lambda key: jax.random.fold_in(jax.random.fold_in(key, m), virtual)
     return jax.tree.map(fold, self.key)
 
   def opened(self, x: jax.Array) -> jax.Array:
@@ -420,7 +426,7 @@ def _forward(stage: Stage, consts, h, m, k) -> tuple[Any, Residuals]:
   parts = stage.parts
 
   def apply(diff, hd):
-    out = stage.call(stage.weights.join(diff, wf), parts.join(hd, h), m)
+    out = stage.call(stage.weights.join(diff, wf), parts.join(hd, h), m, k)
     return parts.diff(out), out
 
   _, pullback, h_out = jax.vjp(apply, wd, parts.diff(h), has_aux=True)
