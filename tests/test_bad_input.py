@@ -802,6 +802,8 @@ def unplaced_gradients(types):
       unplaced.append(tx.update(host, state, params))
       done_right.append(tx.update(grads, state, params))
       unplaced.append(tx.update(jax.device_put(host, jax.devices()[1]), state, params))
+    done_right.append(tx.update(grads, state, params))
+    unplaced.append(jax.jit(tx.update)(logical, state, params))
   return done_right, unplaced
 
 
