@@ -126,6 +126,15 @@ def non_array_leaf(types):
   zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).shard({"w": jnp.ones(4), "name": "layer"})
 
 
+def sharded_init_of_a_float_leaf(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  tx.sharded_init(lambda: {"w": jnp.ones((4, 1024)), "scale": 1.0})()
+
+
+def sharded_init_of_built_params(types):
+  zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).sharded_init({"w": jnp.ones((4, 1024))})
+
+
 def state_of_another_model(types):
   tx = zerojax.zero1(optax.adam(0.1), mesh=_mesh(types))
   tx.update(_w(tx), tx.init({"w": jnp.ones((8, 256))}), _w(tx))
@@ -613,6 +622,8 @@ CASES = {
     tx_gather_inside_the_loss
   ),
   "leaf at ['name'] is str, not an array": non_array_leaf,
+  "TypeError: tx.sharded_init takes the function that makes the parameters ... got dict ... "
+  "use tx.shard(params)": sharded_init_of_built_params,
   "optimizer state leaf ... expected": state_of_another_model,
   "state is a tuple, not a ZeroState": not_a_zero_state,
   "init makes the float32 master copy ... call tx.init(params) on the full-precision": (
@@ -773,6 +784,7 @@ CASES = {
 MORE = {
   "opt_state... lives on a mesh of {'data': 4}": state_of_another_mesh_in_jit,
   "min_shard_size must be an int, 0 or more ... got -1;": negative_min_shard_size,
+  "leaf at ['scale'] is float, not an array": sharded_init_of_a_float_leaf,
 }
 
 

@@ -199,6 +199,9 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       The jitted ``init(*args, **kwargs) -> (params, opt_state)``, run and
       lowered under ``tx.mesh`` (``jax.set_mesh``).
 
+    Raises:
+      TypeError: if ``init_fn`` is not callable (built parameters: ``tx.shard`` places them).
+
     Example:
       >>> import jax, jax.numpy as jnp, optax, zerojax
       >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
@@ -209,11 +212,24 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       >>> bool(jnp.all(tx.gather(params)["w"] == init_fn(jax.random.key(0))["w"]))
       True
     """
+    if not callable(init_fn):
+      raise TypeError(
+        "tx.sharded_init takes the function that makes the parameters, not the parameters "
+        f"(got {type(init_fn).__name__}): tx.sharded_init(lambda key: model.init(key, x))(key), "
+        "or tx.sharded_init(init_fn)(*args) for an init_fn of arguments. For parameters "
+        "already built, use tx.shard(params) (and tx.init for the optimizer state)."
+      )
     optimizer = self._optimizer
     settings = optimizer.settings
 
+    def arrays(*args: Any, **kwargs: Any) -> Any:
+      # Tracing makes a Python float an array; tx.shard would refuse it, and so does this.
+      params = init_fn(*args, **kwargs)
+      layout_lib.check_arrays(params)
+      return params
+
     def init(*args: Any, **kwargs: Any) -> tuple[Any, ZeroState]:
-      plans = optimizer.plans(jax.eval_shape(init_fn, *args, **kwargs))
+      plans = optimizer.plans(jax.eval_shape(arrays, *args, **kwargs))
 
       def fresh(*args: Any, **kwargs: Any) -> tuple[Any, ZeroState]:
         full = init_fn(*args, **kwargs)
