@@ -101,6 +101,21 @@ def state_of_another_mesh_in_jit(types):
   jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
 
 
+def _stored_on_8(types):
+  """A (4, 1001) leaf stored over 8 devices, padded to (4, 1008): over 4 it would be (4, 1004)."""
+  return zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).shard({"w": jnp.ones((4, 1001))})
+
+
+def gather_of_another_mesh(types):
+  zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types, 4)).gather(_stored_on_8(types))
+
+
+def forward_of_another_mesh(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types, 4))
+  logits = lambda params, x: x @ zerojax.gather(params)["w"]
+  zerojax.forward(logits, tx)(_stored_on_8(types), jnp.ones((8, 4)))
+
+
 def integer_leaf(types):
   tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
   _step(tx, _w(tx, step=jnp.int32(0)), jnp.ones((8, 4)))
@@ -613,6 +628,9 @@ CASES = {
   "params['w'] lives on a mesh of {'data': 4}, not on this transformation's mesh": (
     params_of_another_mesh_in_jit
   ),
+  "params['w'] lives on a mesh of {'data': 8}, not on this transformation's mesh of {'data': 4}: "
+  "use the transformation that stored them, or move them to this mesh: "
+  "tx.shard(that_tx.gather(params))": gather_of_another_mesh,
   "params['step'] is int32, and a gradient is taken only of floating-point parameters": (
     integer_leaf
   ),
@@ -784,6 +802,9 @@ CASES = {
 MORE = {
   "opt_state... lives on a mesh of {'data': 4}": state_of_another_mesh_in_jit,
   "min_shard_size must be an int, 0 or more ... got -1;": negative_min_shard_size,
+  "params['w'] lives on a mesh of {'data': 8} ... use the transformation that stored them": (
+    forward_of_another_mesh
+  ),
   "leaf at ['scale'] is float, not an array": sharded_init_of_a_float_leaf,
 }
 

@@ -65,7 +65,7 @@ class ShardedOptimizer:
     # optax.apply_updates sees two trees of one structure.
     wrapped = stored_lib.wraps(updates if params is None else params)
     updates, params = (
-      plans.arrays(updates, self.settings.mesh),
+      plans.arrays(updates, self.settings.mesh, "updates"),
       plans.arrays(params, self.settings.mesh),
     )
     updates = _onto_mesh(self.settings, plans.sharded, updates)
@@ -73,7 +73,7 @@ class ShardedOptimizer:
     checks.shapes(state.inner_state, plans.state, "optimizer state")
     checks.in_device_memory(state, self.settings)
     for what, tree in (("updates", updates), ("opt_state", state), ("params", params)):
-      checks.on_mesh(tree, self.settings, what, "place them with this transformation")
+      checks.on_mesh(tree, self.settings.mesh, what, "place them with this transformation")
     if plans.master is not None and params is None:
       raise ValueError(
         "this transformation keeps master parameters apart from the (lower-"
@@ -86,6 +86,7 @@ class ShardedOptimizer:
 
   def gather(self, params: optax.Params) -> optax.Params:
     plans, mesh = self.plans(params), self.settings.mesh
+    checks.stored_on_mesh(stored_lib.unwrap(params), mesh)
     params = plans.arrays(params, self.settings.mesh)
     with mesh_lib.set_mesh_unless_traced(mesh, params):
       return _gather(
