@@ -967,28 +967,53 @@ def _drop_in(types, unpad):
   return jax.jit(lambda p, x: jax.value_and_grad(loss)(unpad(tx, p), x))(params, x)
 
 
-# What the guide's list of mistakes that raise JAX's errors quotes, the mesh axes it raises on,
-# and the fix it gives: the drop-in path on explicit axes, where the model's matmul of two
-# sharded operands is JAX's to refuse (without tx.unpad it is zerojax's error, a row above).
+def _apply_plain_updates(updates_of):
+  """``optax.apply_updates`` of stage-3 stored parameters, a (7, 13) leaf stored as (7, 16), and
+  ``updates_of(tx, params, grads)``, the gradients in their logical shape (as ``jax.grad`` of the
+  gathered parameters gives them); checks the SGD step it makes."""
+  tx = zerojax.zero3(optax.sgd(0.5), mesh=_mesh(AxisType.Auto), min_shard_size=1)
+  params = tx.shard({"w": jnp.ones((7, 13))})
+  new = optax.apply_updates(params, updates_of(tx, params, {"w": np.ones((7, 13), np.float32)}))
+  np.testing.assert_array_equal(tx.gather(new)["w"], np.full((7, 13), 0.5, np.float32))
+
+
+def _plain_sgd(grads):
+  sgd = optax.sgd(0.5)
+  return sgd.update(grads, sgd.init(grads))[0]
+
+
+# What the guide's list of mistakes that raise JAX's errors quotes, and for each the mistake and
+# the fix the guide gives. The drop-in path on explicit axes, where the model's matmul of two
+# sharded operands is JAX's to refuse (without tx.unpad it is zerojax's error, a row above); and
+# updates computed without zerojax (a plain optax optimizer) added to stage 3's stored
+# parameters, in optax.apply_updates, where zerojax runs no code.
 DROP_IN = {
   "ShardingTypeError: dot_general operation with inputs: f32[8@data,16], f32[16,16@data] "
   "produces an illegally sharded result": (
-    AxisType.Explicit,
-    lambda types: _drop_in(AxisType.Auto, lambda tx, p: tx.unpad(p)),
+    lambda: _drop_in(AxisType.Explicit, lambda tx, p: tx.unpad(p)),
+    lambda: _drop_in(AxisType.Auto, lambda tx, p: tx.unpad(p)),
+  ),
+  "ValueError: pytree structure error: different types at key path ... tree['w'] ... "
+  "zerojax._src.sharding.stored.Stored": (
+    lambda: _apply_plain_updates(lambda tx, params, grads: _plain_sgd(grads)),
+    lambda: (
+      _apply_plain_updates(lambda tx, params, grads: tx.shard(_plain_sgd(grads))),
+      _apply_plain_updates(lambda tx, params, grads: tx.update(grads, tx.init(params))[0]),
+    ),
   ),
 }
 
 
 @pytest.mark.parametrize("message", DROP_IN)
-def test_drop_in_mistakes_raise_what_the_guide_quotes_and_its_fix_works(message):
-  types, fix = DROP_IN[message]
+def test_mistakes_jax_refuses_raise_what_the_guide_quotes_and_its_fix_works(message):
+  mistake, fix = DROP_IN[message]
   section = " ".join(GUIDE.read_text().split("## Errors you may meet")[1].split())
   assert message in section
   kind, text = message.split(": ", 1)
   with pytest.raises(Exception, match=_pattern(text)) as raised:
-    _drop_in(types, lambda tx, p: tx.unpad(p))
+    mistake()
   assert type(raised.value).__name__ == kind
-  fix(types)
+  fix()
 
 
 def test_a_shard_used_without_gather_raises_a_type_error():

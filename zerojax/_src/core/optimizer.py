@@ -61,9 +61,13 @@ class ShardedOptimizer:
 
   def update(self, updates, state, params=None, **extra_args):
     plans = self.plans(updates if params is None else params)
-    # Updates come back as the parameters are: Stored leaves where they are, so that
-    # optax.apply_updates sees two trees of one structure.
-    wrapped = stored_lib.wraps(updates if params is None else params)
+    # Updates come back as the parameters are, so that optax.apply_updates sees two trees of
+    # one structure: Stored leaves where the parameters have them, and, without the parameters,
+    # wherever stage 3 stores them (gradients of jax.grad are plain arrays).
+    if params is None:
+      wrapped = stored_lib.wraps(updates) or self.settings.stage.splits_params
+    else:
+      wrapped = stored_lib.wraps(params)
     updates, params = (
       plans.arrays(updates, self.settings.mesh, "updates"),
       plans.arrays(params, self.settings.mesh),

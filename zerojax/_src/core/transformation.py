@@ -46,7 +46,8 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   ``update`` accepts gradients either in the stage's layout (as
   ``zerojax.value_and_grad`` returns them) or as plain full arrays (as
   ``jax.grad`` returns them in a drop-in step), and returns updates in the
-  parameters' layout.
+  parameters' layout (in stage 3 as ``zerojax.Stored`` s, with ``params`` or
+  without), which ``optax.apply_updates`` adds to them.
 
   Attributes:
     stage: 1, 2 or 3.
