@@ -1016,6 +1016,15 @@ def test_mistakes_jax_refuses_raise_what_the_guide_quotes_and_its_fix_works(mess
   fix()
 
 
+def test_counting_parameters_counts_the_model_s_not_the_padding():
+  # Stage 3 stores "embed" (97, 36) as (97, 40): its leaves' sizes count the padding.
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(AxisType.Auto), min_shard_size=1)
+  model = {"embed": jnp.ones((97, 36)), "b": jnp.ones(36)}
+  params = tx.shard(model)
+  assert sum(x.size for x in jax.tree.leaves(params)) == 97 * 40 + 40
+  assert tx.num_params(params) == tx.num_params(model) == 97 * 36 + 36
+
+
 def test_a_shard_used_without_gather_raises_a_type_error():
   tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(AxisType.Explicit))
   with pytest.raises(TypeError, match=r"call zerojax\.gather"):

@@ -12,6 +12,7 @@ docs/design.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -330,6 +331,27 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       **jax.eval_shape(lambda: fresh_loss_scale_and_counters(self.precision)),
     )
     return logical(plans.params), state
+
+  def num_params(self, params: optax.Params) -> int:
+    """How many parameters the model has: the elements of its leaves in their logical shapes.
+
+    Stage 3 stores a leaf padded where its split dimension does not divide by
+    the device count, so the sizes of the stored arrays,
+    ``sum(x.size for x in jax.tree.leaves(params))``, count the padding too;
+    this counts the model's own, the same in every stage and on any device
+    count.
+
+    Args:
+      params: the parameters, full or stored, as arrays or ``jax.ShapeDtypeStruct`` s.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zerojax
+      >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+      >>> params = tx.shard({"w": jnp.ones((4, 1001))})
+      >>> sum(x.size for x in jax.tree.leaves(params)), tx.num_params(params)
+      (4032, 4004)
+    """
+    return sum(math.prod(leaf.shape) for leaf in self._optimizer.plans(params).sharded.leaves)
 
   def layout(self, params: optax.Params) -> layout_lib.Layout:
     """The plan: how each leaf of ``params`` is split (see ``zerojax.Layout``)."""
