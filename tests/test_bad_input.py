@@ -101,6 +101,21 @@ def state_of_another_mesh_in_jit(types):
   jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
 
 
+def _stored_on_8(types):
+  """A (4, 1001) leaf stored over 8 devices, padded to (4, 1008): over 4 it would be (4, 1004)."""
+  return zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).shard({"w": jnp.ones((4, 1001))})
+
+
+def gather_of_another_mesh(types):
+  zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types, 4)).gather(_stored_on_8(types))
+
+
+def forward_of_another_mesh(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types, 4))
+  logits = lambda params, x: x @ zerojax.gather(params)["w"]
+  zerojax.forward(logits, tx)(_stored_on_8(types), jnp.ones((8, 4)))
+
+
 def integer_leaf(types):
   tx = zerojax.zero1(optax.sgd(0.1), mesh=_mesh(types))
   _step(tx, _w(tx, step=jnp.int32(0)), jnp.ones((8, 4)))
@@ -124,6 +139,15 @@ def chain_given_to_value_and_grad(types):
 
 def non_array_leaf(types):
   zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).shard({"w": jnp.ones(4), "name": "layer"})
+
+
+def sharded_init_of_a_float_leaf(types):
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types))
+  tx.sharded_init(lambda: {"w": jnp.ones((4, 1024)), "scale": 1.0})()
+
+
+def sharded_init_of_built_params(types):
+  zerojax.zero3(optax.sgd(0.1), mesh=_mesh(types)).sharded_init({"w": jnp.ones((4, 1024))})
 
 
 def state_of_another_model(types):
@@ -627,6 +651,9 @@ CASES = {
   "params['w'] lives on a mesh of {'data': 4}, not on this transformation's mesh": (
     params_of_another_mesh_in_jit
   ),
+  "params['w'] lives on a mesh of {'data': 8}, not on this transformation's mesh of {'data': 4}: "
+  "use the transformation that stored them, or move them to this mesh: "
+  "tx.shard(that_tx.gather(params))": gather_of_another_mesh,
   "params['step'] is int32, and a gradient is taken only of floating-point parameters": (
     integer_leaf
   ),
@@ -636,6 +663,8 @@ CASES = {
     tx_gather_inside_the_loss
   ),
   "leaf at ['name'] is str, not an array": non_array_leaf,
+  "TypeError: tx.sharded_init takes the function that makes the parameters ... got dict ... "
+  "use tx.shard(params)": sharded_init_of_built_params,
   "optimizer state leaf ... expected": state_of_another_model,
   "state is a tuple, not a ZeroState": not_a_zero_state,
   "init makes the float32 master copy ... call tx.init(params) on the full-precision": (
@@ -804,6 +833,10 @@ CASES = {
 MORE = {
   "opt_state... lives on a mesh of {'data': 4}": state_of_another_mesh_in_jit,
   "min_shard_size must be an int, 0 or more ... got -1;": negative_min_shard_size,
+  "params['w'] lives on a mesh of {'data': 8} ... use the transformation that stored them": (
+    forward_of_another_mesh
+  ),
+  "leaf at ['scale'] is float, not an array": sharded_init_of_a_float_leaf,
 }
 
 
@@ -833,6 +866,8 @@ def unplaced_gradients(types):
       unplaced.append(tx.update(host, state, params))
       done_right.append(tx.update(grads, state, params))
       unplaced.append(tx.update(jax.device_put(host, jax.devices()[1]), state, params))
+    done_right.append(tx.update(grads, state, params))
+    unplaced.append(jax.jit(tx.update)(logical, state, params))
   return done_right, unplaced
 
 
@@ -963,28 +998,62 @@ def _drop_in(types, unpad):
   return jax.jit(lambda p, x: jax.value_and_grad(loss)(unpad(tx, p), x))(params, x)
 
 
-# What the guide's list of mistakes that raise JAX's errors quotes, the mesh axes it raises on,
-# and the fix it gives: the drop-in path on explicit axes, where the model's matmul of two
-# sharded operands is JAX's to refuse (without tx.unpad it is zerojax's error, a row above).
+def _apply_plain_updates(updates_of):
+  """``optax.apply_updates`` of stage-3 stored parameters, a (7, 13) leaf stored as (7, 16), and
+  ``updates_of(tx, params, grads)``, the gradients in their logical shape (as ``jax.grad`` of the
+  gathered parameters gives them); checks the SGD step it makes."""
+  tx = zerojax.zero3(optax.sgd(0.5), mesh=_mesh(AxisType.Auto), min_shard_size=1)
+  params = tx.shard({"w": jnp.ones((7, 13))})
+  new = optax.apply_updates(params, updates_of(tx, params, {"w": np.ones((7, 13), np.float32)}))
+  np.testing.assert_array_equal(tx.gather(new)["w"], np.full((7, 13), 0.5, np.float32))
+
+
+def _plain_sgd(grads):
+  sgd = optax.sgd(0.5)
+  return sgd.update(grads, sgd.init(grads))[0]
+
+
+# What the guide's list of mistakes that raise JAX's errors quotes, and for each the mistake and
+# the fix the guide gives. The drop-in path on explicit axes, where the model's matmul of two
+# sharded operands is JAX's to refuse (without tx.unpad it is zerojax's error, a row above); and
+# updates computed without zerojax (a plain optax optimizer) added to stage 3's stored
+# parameters, in optax.apply_updates, where zerojax runs no code.
 DROP_IN = {
   "ShardingTypeError: dot_general operation with inputs: f32[8@data,16], f32[16,16@data] "
   "produces an illegally sharded result": (
-    AxisType.Explicit,
-    lambda types: _drop_in(AxisType.Auto, lambda tx, p: tx.unpad(p)),
+    lambda: _drop_in(AxisType.Explicit, lambda tx, p: tx.unpad(p)),
+    lambda: _drop_in(AxisType.Auto, lambda tx, p: tx.unpad(p)),
+  ),
+  "ValueError: pytree structure error: different types at key path ... tree['w'] ... "
+  "zerojax._src.sharding.stored.Stored": (
+    lambda: _apply_plain_updates(lambda tx, params, grads: _plain_sgd(grads)),
+    lambda: (
+      _apply_plain_updates(lambda tx, params, grads: tx.shard(_plain_sgd(grads))),
+      _apply_plain_updates(lambda tx, params, grads: tx.update(grads, tx.init(params))[0]),
+    ),
   ),
 }
 
 
 @pytest.mark.parametrize("message", DROP_IN)
-def test_drop_in_mistakes_raise_what_the_guide_quotes_and_its_fix_works(message):
-  types, fix = DROP_IN[message]
+def test_mistakes_jax_refuses_raise_what_the_guide_quotes_and_its_fix_works(message):
+  mistake, fix = DROP_IN[message]
   section = " ".join(GUIDE.read_text().split("## Errors you may meet")[1].split())
   assert message in section
   kind, text = message.split(": ", 1)
   with pytest.raises(Exception, match=_pattern(text)) as raised:
-    _drop_in(types, lambda tx, p: tx.unpad(p))
+    mistake()
   assert type(raised.value).__name__ == kind
-  fix(types)
+  fix()
+
+
+def test_counting_parameters_counts_the_model_s_not_the_padding():
+  # Stage 3 stores "embed" (97, 36) as (97, 40): its leaves' sizes count the padding.
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=_mesh(AxisType.Auto), min_shard_size=1)
+  model = {"embed": jnp.ones((97, 36)), "b": jnp.ones(36)}
+  params = tx.shard(model)
+  assert sum(x.size for x in jax.tree.leaves(params)) == 97 * 40 + 40
+  assert tx.num_params(params) == tx.num_params(model) == 97 * 36 + 36
 
 
 def test_a_shard_used_without_gather_raises_a_type_error():

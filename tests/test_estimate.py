@@ -216,6 +216,26 @@ def test_one_axis_and_one_node_are_one_round():
   ) == zerojax.estimate_communication(1e9, num_devices=8, stage=2)
 
 
+def test_qgz_reduces_inside_the_node_in_every_backward_slot_of_a_pipeline():
+  # 7.5B in 4 stages, 8 micro-batches, nodes of 8 of 64 devices: each stage's share, Psi / 4,
+  # reduced per micro-batch in the 8 + 4 - 1 backward slots, both rounds of qgZ (int8: a byte
+  # an element plus a float32 scale a 256-element block); inside the node the whole share,
+  # across nodes 1/8 of it.
+  estimate = zerojax.estimate_communication(
+    7.5e9,
+    num_devices=64,
+    stage=3,
+    pipeline_stages=4,
+    microbatches=8,
+    quantized_gradients="int8",
+    devices_per_node=8,
+  )
+  int8 = lambda elements: elements + 4 * elements / 256
+  share, slots = 7.5e9 / 4, 8 + 4 - 1
+  assert estimate.inner_reductions == pytest.approx(slots * int8(share))  # 20.9 GB
+  assert estimate.gradient_reductions == pytest.approx(slots * int8(share / 8))
+
+
 def test_one_device_moves_nothing():
   for stage in (0, 1, 2, 3):  # plain data parallelism and the three stages
     assert zerojax.estimate_communication(1e9, num_devices=1, stage=stage).total == 0

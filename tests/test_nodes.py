@@ -10,12 +10,18 @@ bigger models, with XLA's step estimate (docs/scaling.md).
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
 from tests import nodes_worker as worker
+from zerojax._src.comm import primitives
 from zerojax.diagnostics import deviceless_environment
 
 PER_NODE = 8
@@ -81,3 +87,18 @@ def test_on_gpus_a_layer_gathers_across_nodes_in_one_all_gather_by_default():
   # zero3's packed_gathers default on a GPU across nodes: a layer's two matrices in one
   # all-gather, forward and backward (the last layer once: zerojax.scan hands it over).
   assert compiled()["zero3"]["gathers_across"] == 2 * worker.LAYERS - 1
+
+
+def test_only_axes_of_more_than_one_device_each_span_nodes():
+  # What the GPU defaults above ask (packed gathers, deferred reductions): one data axis, or
+  # data axes of which only one has more than one device, never crosses nodes.
+  def spans(shape, names):
+    mesh = jax.make_mesh(shape, names, devices=jax.devices()[: math.prod(shape)])
+    seen = []
+    ask = lambda x: (seen.append(primitives.spans_nodes(names)), x)[1]
+    jax.eval_shape(jax.shard_map(ask, mesh=mesh, in_specs=P(), out_specs=P()), jnp.zeros(()))
+    return seen[0]
+
+  assert not spans((8,), ("data",))
+  assert not spans((1, 8), worker.AXES)
+  assert spans((2, 4), worker.AXES)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from zerojax._src.sharding import layout as layout_lib
 
@@ -34,7 +35,7 @@ def params(tree: Any, stored: layout_lib.Layout, settings: Settings) -> None:
         "parameters: keep integer and boolean leaves (step counters, masks, ids) out of "
         "the trained params, and pass them to the loss as batch arguments or by closure."
       )
-  on_mesh(tree, settings, "params", "place the params with tx.shard(params)")
+  on_mesh(tree, settings.mesh, "params", "place the params with tx.shard(params)")
 
 
 def not_manual(settings: Settings) -> None:
@@ -55,14 +56,13 @@ def not_manual(settings: Settings) -> None:
     )
 
 
-def on_mesh(tree: Any, settings: Settings, what: str, fix: str) -> None:
-  """Raises if a leaf of ``tree`` lives on another mesh than ``settings.mesh``.
+def on_mesh(tree: Any, mesh: Mesh, what: str, fix: str) -> None:
+  """Raises if a leaf of ``tree`` lives on another mesh than ``mesh``, saying ``fix``.
 
   Concrete arrays are compared by their mesh; inside ``jax.jit`` a tracer
   carries the abstract mesh of its input, which is compared by axis names and
   sizes (a 4-device transformation's arrays fed to an 8-device one, say).
   """
-  mesh = settings.mesh
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     where = f"{what}{jax.tree_util.keystr(path)}"
     if isinstance(x, Tracer):
@@ -74,9 +74,21 @@ def on_mesh(tree: Any, settings: Settings, what: str, fix: str) -> None:
       if found is None or found == mesh:
         continue
     raise ValueError(
-      f"{where} lives on {_shown(found)}, not on this transformation's mesh {_shown(mesh)}: "
-      f"{fix}, or build the transformation with that mesh."
+      f"{where} lives on a mesh of {_shown(found)}, not on this transformation's mesh of "
+      f"{_shown(mesh)}: {fix}, or build the transformation with that mesh."
     )
+
+
+def stored_on_mesh(tree: Any, mesh: Mesh, what: str = "params") -> None:
+  """``on_mesh`` for stored parameters (or gradients): those of a transformation of another mesh
+  are stored for that mesh, and only that transformation can read them."""
+  on_mesh(
+    tree,
+    mesh,
+    what,
+    "use the transformation that stored them, or move them to this mesh: "
+    "tx.shard(that_tx.gather(params))",
+  )
 
 
 def in_device_memory(state: Any, settings: Settings) -> None:
@@ -137,7 +149,7 @@ def same_model_on_every_process(params: Any) -> None:
 
 def _shown(mesh: Any) -> str:
   axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape_tuple)
-  return f"a mesh of {{{axes}}}"
+  return f"{{{axes}}}"
 
 
 def batch(arguments: tuple[Any, ...], settings: Settings, microbatches: int) -> None:

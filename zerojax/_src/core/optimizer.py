@@ -26,7 +26,7 @@ from zerojax._src.core.settings import Settings
 from zerojax._src.core.state import ZeroState, check_policy, fresh_loss_scale_and_counters
 from zerojax._src.sharding import mesh as mesh_lib
 from zerojax._src.sharding import stored as stored_lib
-from zerojax._src.sharding.layout import Layout
+from zerojax._src.sharding.layout import Layout, LeafLayout
 
 
 class ShardedOptimizer:
@@ -61,19 +61,23 @@ class ShardedOptimizer:
 
   def update(self, updates, state, params=None, **extra_args):
     plans = self.plans(updates if params is None else params)
-    # Updates come back as the parameters are: Stored leaves where they are, so that
-    # optax.apply_updates sees two trees of one structure.
-    wrapped = stored_lib.wraps(updates if params is None else params)
+    # Updates come back as the parameters are, so that optax.apply_updates sees two trees of
+    # one structure: Stored leaves where the parameters have them, and, without the parameters,
+    # wherever stage 3 stores them (gradients of jax.grad are plain arrays).
+    if params is None:
+      wrapped = stored_lib.wraps(updates) or self.settings.stage.splits_params
+    else:
+      wrapped = stored_lib.wraps(params)
     updates, params = (
-      plans.arrays(updates, self.settings.mesh),
+      plans.arrays(updates, self.settings.mesh, "updates"),
       plans.arrays(params, self.settings.mesh),
     )
-    updates = _onto_mesh(self.settings.mesh, updates)
+    updates = _onto_mesh(self.settings, plans.sharded, updates)
     check_policy(state, master=plans.master is not None, loss_scaled=plans.loss_scaled)
     checks.shapes(state.inner_state, plans.state, "optimizer state")
     checks.in_device_memory(state, self.settings)
     for what, tree in (("updates", updates), ("opt_state", state), ("params", params)):
-      checks.on_mesh(tree, self.settings, what, "place them with this transformation")
+      checks.on_mesh(tree, self.settings.mesh, what, "place them with this transformation")
     if plans.master is not None and params is None:
       raise ValueError(
         "this transformation keeps master parameters apart from the (lower-"
@@ -86,6 +90,7 @@ class ShardedOptimizer:
 
   def gather(self, params: optax.Params) -> optax.Params:
     plans, mesh = self.plans(params), self.settings.mesh
+    checks.stored_on_mesh(stored_lib.unwrap(params), mesh)
     params = plans.arrays(params, self.settings.mesh)
     with mesh_lib.set_mesh_unless_traced(mesh, params):
       return _gather(
@@ -167,19 +172,27 @@ def _gather(params, *, mesh: Mesh, data_axes: tuple[str, ...], stored: Layout, l
   return mesh_lib.global_view(mesh, functools.partial(to_logical, logical), specs)(params)
 
 
-def _onto_mesh(mesh: Mesh, updates: Any) -> Any:
-  """``updates`` with each leaf that is not on ``mesh`` (a numpy array, an array on one device,
-  as ``jax.grad`` of unplaced parameters gives) replicated on it, so that the update places it.
+def _onto_mesh(settings: Settings, layout: Layout, updates: Any) -> Any:
+  """``updates`` placed where the update can take them, whatever ``jax.grad`` gave.
 
-  Left unplaced, the compiler would choose the input's split itself, and for a logical leaf
-  (30, 100) split 8 ways that is an uneven split JAX cannot express.
+  The update splits a gradient given in its logical shape as its stored one is split, unevenly
+  where that is padded ((30, 100) over 8 devices, say): jit allows that for intermediates, not
+  for its arguments. So a leaf that is not on the mesh (a numpy array, an array on one device)
+  is replicated on it; and inside a trace (``jax.jit(tx.update)``), where the compiler would
+  choose the argument's split from that uneven one, which JAX cannot express, a padded leaf in
+  its logical shape is constrained whole over the data axes first.
   """
-  unplaced = lambda x: (
-    not isinstance(x, Tracer)
-    and not (isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding))
-  )
-  replicated = NamedSharding(mesh, P())
-  return jax.tree.map(lambda x: jax.device_put(x, replicated) if unplaced(x) else x, updates)
+  unplaced = lambda x: not (isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding))
+  replicated = NamedSharding(settings.mesh, P())
+
+  def placed(leaf: LeafLayout, x: Any) -> Any:
+    if not isinstance(x, Tracer):
+      return jax.device_put(x, replicated) if unplaced(x) else x
+    if leaf.padding and tuple(x.shape) == leaf.shape:
+      return mesh_lib.constrain(settings.mesh, x, leaf.full_spec(settings.data_axes))
+    return x
+
+  return layout.map(placed, updates)
 
 
 def _master(mesh: Mesh, plans: Plans, state: ZeroState, params: Any) -> Any:

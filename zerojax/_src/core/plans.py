@@ -8,6 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src.core import checks
 from zerojax._src.core import precision as precision_lib
 from zerojax._src.core.state import ZeroState
 from zerojax._src.sharding import layout as layout_lib
@@ -37,25 +38,31 @@ class Plans(NamedTuple):
   master: layout_lib.Layout | None
   loss_scaled: bool
 
-  def arrays(self, tree: Any, mesh: Any) -> Any:
+  def arrays(self, tree: Any, mesh: Any, what: str = "params") -> Any:
     """``tree`` as plain arrays of these plans: a ``Stored`` leaf in the stored layout (or the
     gradients') is its array; one stored in another layout (by another transformation) is
-    laid out again on ``mesh`` through its logical value, as this one stores it."""
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=stored_lib.is_stored)
+    laid out again on ``mesh`` through its logical value, as this one stores it.
 
-    def array(i: int, x: Any) -> Any:
+    Raises:
+      ValueError: for a leaf stored in another layout on another mesh than ``mesh`` (``what``
+        names the tree in the message).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=stored_lib.is_stored)
+
+    def array(i: int, path: Any, x: Any) -> Any:
       if not stored_lib.is_stored(x):
         return x
       ours = self.params.leaves[i]
       if x.layout in (ours, self.sharded.leaves[i]):
         return x.value
+      checks.stored_on_mesh(x.value, mesh, f"{what}{jax.tree_util.keystr(path)}")
       # Unpadding splits unevenly, which explicit axes refuse outside the global view.
       relaid = mesh_lib.global_view(
         mesh, lambda v: ours.pad(x.layout.unpad(v)), ours.partition_spec
       )
       return relaid(x.value) if mesh_lib.is_traced(x.value) else jax.jit(relaid)(x.value)
 
-    return jax.tree.unflatten(treedef, [array(i, x) for i, x in enumerate(leaves)])
+    return jax.tree.unflatten(treedef, [array(i, *leaf) for i, leaf in enumerate(leaves)])
 
   def to_logical(self, tree: Any) -> Any:
     """Unpads leaves given in stored shape; leaves already in logical shape pass."""

@@ -12,6 +12,7 @@ docs/design.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,8 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   ``update`` accepts gradients either in the stage's layout (as
   ``zerojax.value_and_grad`` returns them) or as plain full arrays (as
   ``jax.grad`` returns them in a drop-in step), and returns updates in the
-  parameters' layout.
+  parameters' layout (in stage 3 as ``zerojax.Stored`` s, with ``params`` or
+  without), which ``optax.apply_updates`` adds to them.
 
   Attributes:
     stage: 1, 2 or 3.
@@ -199,6 +201,9 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       The jitted ``init(*args, **kwargs) -> (params, opt_state)``, run and
       lowered under ``tx.mesh`` (``jax.set_mesh``).
 
+    Raises:
+      TypeError: if ``init_fn`` is not callable (built parameters: ``tx.shard`` places them).
+
     Example:
       >>> import jax, jax.numpy as jnp, optax, zerojax
       >>> tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
@@ -209,11 +214,24 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       >>> bool(jnp.all(tx.gather(params)["w"] == init_fn(jax.random.key(0))["w"]))
       True
     """
+    if not callable(init_fn):
+      raise TypeError(
+        "tx.sharded_init takes the function that makes the parameters, not the parameters "
+        f"(got {type(init_fn).__name__}): tx.sharded_init(lambda key: model.init(key, x))(key), "
+        "or tx.sharded_init(init_fn)(*args) for an init_fn of arguments. For parameters "
+        "already built, use tx.shard(params) (and tx.init for the optimizer state)."
+      )
     optimizer = self._optimizer
     settings = optimizer.settings
 
+    def arrays(*args: Any, **kwargs: Any) -> Any:
+      # Tracing makes a Python float an array; tx.shard would refuse it, and so does this.
+      params = init_fn(*args, **kwargs)
+      layout_lib.check_arrays(params)
+      return params
+
     def init(*args: Any, **kwargs: Any) -> tuple[Any, ZeroState]:
-      plans = optimizer.plans(jax.eval_shape(init_fn, *args, **kwargs))
+      plans = optimizer.plans(jax.eval_shape(arrays, *args, **kwargs))
 
       def fresh(*args: Any, **kwargs: Any) -> tuple[Any, ZeroState]:
         full = init_fn(*args, **kwargs)
@@ -313,6 +331,27 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       **jax.eval_shape(lambda: fresh_loss_scale_and_counters(self.precision)),
     )
     return logical(plans.params), state
+
+  def num_params(self, params: optax.Params) -> int:
+    """How many parameters the model has: the elements of its leaves in their logical shapes.
+
+    Stage 3 stores a leaf padded where its split dimension does not divide by
+    the device count, so the sizes of the stored arrays,
+    ``sum(x.size for x in jax.tree.leaves(params))``, count the padding too;
+    this counts the model's own, the same in every stage and on any device
+    count.
+
+    Args:
+      params: the parameters, full or stored, as arrays or ``jax.ShapeDtypeStruct`` s.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zerojax
+      >>> tx = zerojax.zero3(optax.sgd(0.1), mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+      >>> params = tx.shard({"w": jnp.ones((4, 1001))})
+      >>> sum(x.size for x in jax.tree.leaves(params)), tx.num_params(params)
+      (4032, 4004)
+    """
+    return sum(math.prod(leaf.shape) for leaf in self._optimizer.plans(params).sharded.leaves)
 
   def layout(self, params: optax.Params) -> layout_lib.Layout:
     """The plan: how each leaf of ``params`` is split (see ``zerojax.Layout``)."""

@@ -355,14 +355,28 @@ class _Context(NamedTuple):
   min_shard_size: int
 
 
-def _plan_leaf(path, leaf, override, context: _Context, mirrors) -> LeafLayout:
-  where = jax.tree_util.keystr(path)
+def check_arrays(tree: Any) -> None:
+  """Raises unless every leaf of ``tree`` is an array (or has a shape and a dtype).
+
+  Raises:
+    ValueError: naming the first leaf that is not (a Python float, a string).
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    _check_array(jax.tree_util.keystr(path), leaf)
+
+
+def _check_array(where: str, leaf: Any) -> None:
   if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
     raise ValueError(
       f"leaf at {where} is {type(leaf).__name__}, not an array; zerojax shards pytrees "
       "of arrays only. Convert it with jnp.asarray, or keep it out of the "
       "params/optimizer state."
     )
+
+
+def _plan_leaf(path, leaf, override, context: _Context, mirrors) -> LeafLayout:
+  where = jax.tree_util.keystr(path)
+  _check_array(where, leaf)
   shape = tuple(int(s) for s in leaf.shape)
   dtype = _canonical(leaf.dtype)
   placed = placement(leaf, len(shape))

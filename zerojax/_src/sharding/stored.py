@@ -49,7 +49,7 @@ class Stored:
 
   @property
   def shape(self) -> tuple[int, ...]:
-    """The stored (padded) shape."""
+    """The stored (padded) shape; ``layout.shape`` is the model's (``tx.num_params`` counts it)."""
     return tuple(self.value.shape)
 
   @property
