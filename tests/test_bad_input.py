@@ -261,11 +261,11 @@ _MODEL = {
 }
 
 
-def _load_files(types, like, keys=None, write=None):
-  """``zerojax.load_safetensors`` at stage 3 of ``like`` (``{leaf: shape}`` of float32, or
-  ``jax.ShapeDtypeStruct`` s) from ``_MODEL`` saved in a temporary directory, or from the path
-  ``write(directory)`` returns."""
-  tx = zerojax.zero3(optax.adam(0.1), mesh=_mesh(types))
+def _load_files(types, like, keys=None, write=None, stage=3, **options):
+  """``zerojax.load_safetensors`` at ``stage`` (with its transformation's ``options``) of ``like``
+  (``{leaf: shape}`` of float32, or ``jax.ShapeDtypeStruct`` s) from ``_MODEL`` saved in a
+  temporary directory, or from the path ``write(directory)`` returns."""
+  tx = getattr(zerojax, f"zero{stage}")(optax.adam(0.1), mesh=_mesh(types), **options)
   structs = {
     name: s if isinstance(s, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(s, jnp.float32)
     for name, s in like.items()
@@ -286,6 +286,27 @@ def _raw_file(directory, header, data):
   return path
 
 
+def _file_of(tensors):
+  """The ``write`` of ``_load_files`` for a file of ``tensors`` (names to numpy arrays)."""
+
+  def write(directory):
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory / "model.safetensors"
+
+  return write
+
+
+def _cut(end):
+  """The ``write`` of ``_load_files`` for a file of a tensor ``w`` cut to its bytes ``[:end]``."""
+
+  def write(directory):
+    path = _file_of({"w": np.ones(4, np.float32)})(directory)
+    path.write_bytes(path.read_bytes()[:end])
+    return path
+
+  return write
+
+
 def load_keys_as_a_list(types):
   _load_files(types, {"embed": (16, 8)}, keys=["wte.weight"])
 
@@ -300,6 +321,12 @@ def load_a_misspelt_tensor_name(types):
 
 def load_keys_of_a_misspelt_leaf(types):
   _load_files(types, {"embed": (16, 8)}, keys={"embd": "wte.weight"})
+
+
+def load_keys_of_a_misspelt_leaf_that_has_a_tensor_of_its_name(types):
+  # Without the error, the leaf would load the files' own 'embed', not 'wte.weight'.
+  write = _file_of({**_MODEL, "embed": np.zeros((16, 8), np.float32)})
+  _load_files(types, {"embed": (16, 8)}, keys={"embd": "wte.weight"}, write=write)
 
 
 def load_another_shape(types):
@@ -322,6 +349,10 @@ def load_a_stack_of_unlike_tensors(types):
   _load_files(types, {"kernel": (2, 8, 4)}, keys={"kernel": ["h.0.weight", "wte.weight"]})
 
 
+def load_a_stack_naming_a_layer_twice(types):
+  _load_files(types, {"kernel": (2, 8, 4)}, keys={"kernel": ["h.0.weight", "h.0.weight"]})
+
+
 def load_a_transpose_that_is_no_permutation(types):
   key = zerojax.FileKey("h.0.weight", transpose=(0, 0))
   _load_files(types, {"kernel": (8, 4)}, keys={"kernel": key})
@@ -329,6 +360,19 @@ def load_a_transpose_that_is_no_permutation(types):
 
 def load_integers_into_a_float_leaf(types):
   _load_files(types, {"count": (3,)}, keys={"count": "steps"})
+
+
+#: A float32 tensor with a value beyond float16's range.
+_LARGE = {"w": np.array([1.0, 1e6], np.float32)}
+
+
+def load_large_values_into_a_float16_leaf(types):
+  _load_files(types, {"w": jax.ShapeDtypeStruct((2,), jnp.float16)}, write=_file_of(_LARGE))
+
+
+def load_large_values_stored_in_float16(types):
+  # Stage 1 stores the parameters in float16 (stage 3, the float32 master itself).
+  _load_files(types, {"w": (2,)}, write=_file_of(_LARGE), stage=1, precision="fp16")
 
 
 def load_an_unknown_dtype(types):
@@ -383,14 +427,21 @@ def load_a_damaged_file(types):
   _load_files(types, {"w": (4,)}, write=lambda directory: _raw_file(directory, header, bytes(12)))
 
 
-def load_a_truncated_file(types):
-  def write(directory):
-    save_file({"w": np.ones(4, np.float32)}, str(directory / "model.safetensors"))
-    data = (directory / "model.safetensors").read_bytes()
-    (directory / "model.safetensors").write_bytes(data[:-8])
-    return directory / "model.safetensors"
+def load_a_file_whose_tensors_overlap(types):
+  header = {
+    "embed": {"dtype": "F32", "shape": [2, 4], "data_offsets": [0, 32]},
+    "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},  # inside embed's bytes
+  }
+  write = lambda directory: _raw_file(directory, header, bytes(32))
+  _load_files(types, {"embed": (2, 4)}, write=write)
 
-  _load_files(types, {"w": (4,)}, write=write)
+
+def load_a_truncated_file(types):
+  _load_files(types, {"w": (4,)}, write=_cut(-8))
+
+
+def load_a_file_truncated_inside_its_header(types):
+  _load_files(types, {"w": (4,)}, write=_cut(8 + 10))
 
 
 def load_the_files_of_two_models(types):
@@ -720,6 +771,9 @@ CASES = {
   "the files; the closest there: ['wte.weight', ...": load_a_misspelt_tensor_name,
   "embed: tensor 'embed' is not in the files ... keys maps 'embd', which names no leaf (did you "
   "mean 'embed'?)": load_keys_of_a_misspelt_leaf,
+  "keys maps 'embd', which names no leaf (did you mean 'embed'?)": (
+    load_keys_of_a_misspelt_leaf_that_has_a_tensor_of_its_name
+  ),
   "embed: tensor 'wte.weight' gives shape (16, 8), the leaf has (16, 4)": load_another_shape,
   "kernel: tensor 'h.0.weight' gives shape (8, 4), the leaf has (4, 8); transposed it fits: "
   "zerojax.FileKey('h.0.weight', transpose=(1, 0))": load_a_linear_weight_untransposed,
@@ -731,11 +785,17 @@ CASES = {
   "give 2 names to stack, one per layer": load_one_layer_into_a_stack,
   "kernel: the tensors stacked into it differ: 'h.0.weight' is F32 (8, 4), 'wte.weight' F32 "
   "(16, 8)": load_a_stack_of_unlike_tensors,
+  "kernel: tensor 'h.0.weight' is stacked into it as layers 0 and 1: name each layer's own "
+  "tensor": load_a_stack_naming_a_layer_twice,
   "kernel: transpose=(0, 0) is not a permutation of the axes of 'h.0.weight', (0, 1)": (
     load_a_transpose_that_is_no_permutation
   ),
   "count: tensor 'steps' is int32 and the leaf float32; an integer tensor is not read into a "
   "floating leaf": load_integers_into_a_float_leaf,
+  "w: tensor 'w', float32, holds 1000000.0 ... beyond the range of float16 (-65504.0 to "
+  "65504.0), the leaf's dtype in": load_large_values_into_a_float16_leaf,
+  "w: tensor 'w', float32, holds 1000000.0 ... float16 ..., the dtype the precision policy "
+  "stores the leaf in": load_large_values_stored_in_float16,
   "tensor 'w' in ... is C64, which zerojax cannot read": load_an_unknown_dtype,
   "missing.safetensors does not exist: pass a .safetensors file, an index or a directory": (
     load_a_missing_path
@@ -753,8 +813,13 @@ CASES = {
   "is not a safetensors file (its header is not a JSON object giving each tensor's dtype, shape "
   "and data_offsets)": load_a_header_that_is_not_json,
   "tensor 'w' in ... has 12 bytes for shape (4,) of F32: the file is damaged": load_a_damaged_file,
+  "tensor 'b' in ... starts at byte 8 of the data, inside tensor 'embed' (bytes 0 to 32): the "
+  "file is damaged": load_a_file_whose_tensors_overlap,
   "ends before the data of tensor 'w': the file is truncated (an interrupted download or copy?)": (
     load_a_truncated_file
+  ),
+  "model.safetensors ends inside its header: the file is truncated": (
+    load_a_file_truncated_inside_its_header
   ),
   "tensor 'h.0.weight' is in both ... and ...: pass the files of one model (or its index.json)": (
     load_the_files_of_two_models
