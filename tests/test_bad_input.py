@@ -646,6 +646,14 @@ def scan_body_returning_one_value(types):
   _scanned(types, lambda h, w: jnp.tanh(h @ w))
 
 
+def scan_body_promoting_its_carry(types):
+  _scanned(types, lambda h, w: ((h @ w / np.sqrt(8)).astype(jnp.float32), None), precision="bf16")
+
+
+def policy_on_a_layer_under_its_own_checkpoint(types):
+  _scanned(types, jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None)), policy="dots_saveable")
+
+
 def scan_over_a_split_layer_axis(types):
   _scanned(types, lambda h, w: (jnp.tanh(h @ w), None), layout={"w": P("data")})
 
@@ -873,6 +881,12 @@ CASES = {
   ),
   "zerojax.scan's f must return a pair (carry, y), as jax.lax.scan's does": (
     scan_body_returning_one_value
+  ),
+  "zerojax.scan's f returned the carry as float32[1, 8], but was given it as bfloat16[1, 8]": (
+    scan_body_promoting_its_carry
+  ),
+  "this layer runs under its own jax.checkpoint (jax.remat, nn.remat, nnx.remat)": (
+    policy_on_a_layer_under_its_own_checkpoint
   ),
   "... whose leading (layer) axis is split over the data axes 'data'": (
     scan_over_a_split_layer_axis

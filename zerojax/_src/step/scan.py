@@ -141,13 +141,13 @@ def scan(
       "zerojax.scan's init holds a zerojax.Shard: only xs may hold parameter shards (a layer's "
       "own, stacked); gather a shared parameter with zerojax.gather before the scan."
     )
+  f = _checked(f)
   leaves, treedef = jax.tree.flatten(xs, is_leaf=_is_shard)
   shards = [i for i, leaf in enumerate(leaves) if _is_shard(leaf)]
   if not shards:
     body = f if policy is None else remat.checkpoint(f, policy)
     return jax.lax.scan(body, init, xs, length)
   _check_layer_axis([leaves[i] for i in shards])
-  f = _checked(f)
   if prefetch == 0:
     body = remat.checkpoint(lambda carry, x: f(carry, shards_lib.gather(x)), policy)
     return jax.lax.scan(body, init, xs, length)
@@ -229,7 +229,7 @@ def _check_layer_axis(shards: list[shards_lib.Shard]) -> None:
 
 
 def _checked(f: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, Any], tuple[Any, Any]]:
-  """``f``, raising a clear error when it does not return a ``(carry, y)`` pair."""
+  """``f``, raising a clear error when it does not return a ``(carry, y)`` pair of the same carry."""
 
   @functools.wraps(f)
   def checked(carry, x):
@@ -240,9 +240,38 @@ def _checked(f: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, Any], t
         f"zerojax.scan's f must return a pair (carry, y), as jax.lax.scan's does; it returned "
         f"{kind}. Return (new_carry, None) for a layer with no per-layer output."
       )
+    _check_carry(carry, out[0])
     return tuple(out)
 
   return checked
+
+
+def _check_carry(given: Any, returned: Any) -> None:
+  """Raises if a layer returns a carry of another structure, shape or dtype than it was given."""
+  if jax.tree.structure(given) != jax.tree.structure(returned):
+    raise ValueError(
+      f"zerojax.scan's f returned a carry of structure {jax.tree.structure(returned)}, but was "
+      f"given one of structure {jax.tree.structure(given)}: a layer must return its carry in "
+      "the form it received it, as for jax.lax.scan."
+    )
+  paths = jax.tree_util.tree_flatten_with_path(given)[0]
+  for (path, a), b in zip(paths, jax.tree.leaves(returned), strict=True):
+    before, after = (jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in (a, b))
+    if (before.shape, before.dtype) != (after.shape, after.dtype):
+      promoted = jnp.issubdtype(after.dtype, jnp.floating) and after.dtype != before.dtype
+      raise ValueError(
+        f"zerojax.scan's f returned the carry{jax.tree_util.keystr(path)} as "
+        f"{after.dtype}{list(after.shape)}, but was given it as {before.dtype}{list(before.shape)}: "
+        "a layer must return its carry with the shape and dtype it received, as for "
+        "jax.lax.scan."
+        + (
+          f" Something in the layer promoted {before.dtype} to {after.dtype}: a NumPy scalar "
+          "(np.sqrt(d) is a float64, which JAX takes as float32) or a float32 array; use a "
+          "Python float (math.sqrt(d)), or cast the result back with .astype(h.dtype)."
+          if promoted
+          else ""
+        )
+      )
 
 
 def _prefetched(f, init, leaves, treedef, shard_positions, policy, defer_reductions):
