@@ -362,6 +362,22 @@ def test_a_re_exported_constant_shows_its_comment_not_its_type_s_docstring():
   assert "stay replicated" in shown("zerojax.DEFAULT_MIN_SHARD_SIZE", 1024)
 
 
+def test_the_constants_comments_are_read_without_pytest():
+  # The docs extra installs no pytest, which the *_test modules beside zerojax/_src import.
+  code = "import sys; sys.modules['pytest'] = None; import constant_docs as c; "
+  code += "print(len(c.source_comments()), len(c.source_modules()))"
+  done = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=ROOT,
+    env=environment.subprocess_env(PYTHONPATH=f"{ROOT}{os.pathsep}{DOCS / 'ext'}"),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert all(int(count) > 10 for count in done.stdout.split()), done.stdout
+
+
 def test_broken_internal_links_are_found(tmp_path):
   (tmp_path / "img").mkdir()
   (tmp_path / "img" / "plot.png").write_bytes(b"png")
