@@ -397,11 +397,12 @@ def test_broken_internal_links_are_found(tmp_path):
 
 
 def test_site_build_fails_on_a_gap_in_the_reference_a_lost_page_and_broken_links(tmp_path):
-  # The site reads README.md (its front page) and links to the examples.
+  # The site reads README.md (its front page) and CHANGELOG.md, and links to the examples.
   docs = tmp_path / "docs"
   shutil.copytree(DOCS, docs, ignore=shutil.ignore_patterns("_build"))
   shutil.copytree(ROOT / "examples", tmp_path / "examples")
   shutil.copy(ROOT / "README.md", tmp_path)
+  shutil.copy(ROOT / "CHANGELOG.md", tmp_path)
   api = (docs / "api.md").read_text()
   for entry, replacement in [
     (".. autofunction:: zero2\n", ""),  # zero2 is no longer documented
