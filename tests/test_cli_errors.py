@@ -190,6 +190,24 @@ def test_train_lm_as_a_script_says_what_is_wrong_and_exits_2():
   assert "Traceback" not in done.stderr and not done.stdout
 
 
+def test_the_old_launcher_command_says_where_the_launcher_went():
+  # It ran nothing and exited 0: a job script would go on as if its processes had trained.
+  done = subprocess.run(
+    [sys.executable, "-m", "zerojax.launch", "-n", "2", "train.py"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert done.returncode == 2, done.stderr
+  assert (
+    "python -m zerojax.launch: the launcher's command line moved to its own package, which "
+    "imports no JAX: run `python -m zerojax_launch -n 2 train.py` (or `zerojax-launch -n 2 "
+    "train.py`)" in done.stderr
+  )
+  assert "Traceback" not in done.stderr and not done.stdout
+
+
 def test_launch_refuses_devices_per_process_below_1():
   with pytest.raises(ValueError, match="devices_per_process must be at least 1, got 0"):
     launch.launch(["true"], num_processes=1, devices_per_process=0)

@@ -362,6 +362,22 @@ def test_a_re_exported_constant_shows_its_comment_not_its_type_s_docstring():
   assert "stay replicated" in shown("zerojax.DEFAULT_MIN_SHARD_SIZE", 1024)
 
 
+def test_the_constants_comments_are_read_without_pytest():
+  # The docs extra installs no pytest, which the *_test modules beside zerojax/_src import.
+  code = "import sys; sys.modules['pytest'] = None; import constant_docs as c; "
+  code += "print(len(c.source_comments()), len(c.source_modules()))"
+  done = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=ROOT,
+    env=environment.subprocess_env(PYTHONPATH=f"{ROOT}{os.pathsep}{DOCS / 'ext'}"),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert all(int(count) > 10 for count in done.stdout.split()), done.stdout
+
+
 def test_broken_internal_links_are_found(tmp_path):
   (tmp_path / "img").mkdir()
   (tmp_path / "img" / "plot.png").write_bytes(b"png")
@@ -381,11 +397,12 @@ def test_broken_internal_links_are_found(tmp_path):
 
 
 def test_site_build_fails_on_a_gap_in_the_reference_a_lost_page_and_broken_links(tmp_path):
-  # The site reads README.md (its front page) and links to the examples.
+  # The site reads README.md (its front page) and CHANGELOG.md, and links to the examples.
   docs = tmp_path / "docs"
   shutil.copytree(DOCS, docs, ignore=shutil.ignore_patterns("_build"))
   shutil.copytree(ROOT / "examples", tmp_path / "examples")
   shutil.copy(ROOT / "README.md", tmp_path)
+  shutil.copy(ROOT / "CHANGELOG.md", tmp_path)
   api = (docs / "api.md").read_text()
   for entry, replacement in [
     (".. autofunction:: zero2\n", ""),  # zero2 is no longer documented

@@ -341,6 +341,20 @@ def test_train_lm_processes_with_different_flags_are_refused():
     ), err
 
 
+def test_train_lm_under_the_launcher_ends_with_its_report(tmp_path):
+  # The README's multi-process command, small: each process holds only its devices' sampled
+  # rows, and process 0 prints the report and writes its files, once.
+  done = run_launcher(
+    *("-n", "2", "--devices-per-process", "1", "examples/train_lm.py", "--model", "tiny"),
+    *("--steps", "2", "--batch-size", "8", "--seq-len", "32", "--out", str(tmp_path)),
+  )
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+  assert done.stdout.count("sample:\n") == 1 and "[p0] sample:\n[p0] def " in done.stdout
+  assert done.stdout.count(f"wrote {tmp_path}/metrics.json and {tmp_path}/loss.png") == 1
+  assert json.loads((tmp_path / "metrics.json").read_text())["sample"].startswith("def ")
+  assert (tmp_path / "loss.png").stat().st_size > 0
+
+
 def test_launcher_stops_everyone_when_one_process_dies():
   # Killed, process 1 leaves process 0 running: the launcher stops it and exits as the killed
   # process did. (Process 0 blocked in a collective on its lost peer, with restarts:

@@ -103,11 +103,14 @@ def assert_plain_progress(log: str, last_step: int) -> None:
 
 
 def test_srun_two_processes_find_each_other_and_train_like_one(slurm, tmp_path):
+  # With the end-of-run report (memory table, sample, metrics.json and loss.png), which reads
+  # rows that each process holds only part of.
+  flags = [flag for flag in lm_reference.FLAGS if flag != "--no-report"]
   begin = time.monotonic()
   done = subprocess.run(
     [
       *("srun", "--ntasks=2", "--kill-on-bad-exit=1", "--time=10", sys.executable),
-      *("examples/train_lm.py", "--detect-cluster", *lm_reference.FLAGS, "--out", str(tmp_path)),
+      *("examples/train_lm.py", "--detect-cluster", *flags, "--out", str(tmp_path)),
     ],
     cwd=ROOT,
     env=job_env(devices_per_process=4),
@@ -119,7 +122,9 @@ def test_srun_two_processes_find_each_other_and_train_like_one(slurm, tmp_path):
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
   assert "8 cpu devices (mesh data=8) in 2 processes" in done.stdout
   assert_plain_progress(done.stdout + done.stderr, last_step=12)
+  assert done.stdout.count("sample:\ndef ") == 1 and done.stdout.count("wrote ") == 1
   two = json.loads((tmp_path / "metrics.json").read_text())
+  assert two["sample"].startswith("def ") and (tmp_path / "loss.png").is_file()
   one = lm_reference.eight_devices()
   assert two["config"]["devices"] == one["config"]["devices"] == 8
   np.testing.assert_allclose(two["train_loss"], one["train_loss"], rtol=1e-6)

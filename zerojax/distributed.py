@@ -2,7 +2,7 @@
 
 ``initialize`` joins a job of one process per host or GPU (from the
 environment of SLURM, Open MPI, a Cloud TPU slice or ``python -m
-zerojax.launch``); ``global_batch`` assembles each process's rows into one
+zerojax_launch``); ``global_batch`` assembles each process's rows into one
 global array and ``gather_to_host`` brings the full parameters back to a
 process as numpy arrays;
 ``preemption_requested`` and ``PREEMPTED_EXIT_CODE`` stop a job to be

@@ -22,16 +22,27 @@ import zerojax_launch
 logger = logging.getLogger(__name__)
 
 
+def source_modules() -> list[str]:
+  """The modules of ``zerojax._src`` and the launcher's package, without the tests beside them.
+
+  The ``*_test`` modules import pytest, which the docs extra does not install.
+  """
+  packages = ((zerojax._src, "zerojax._src."), (zerojax_launch, "zerojax_launch."))
+  return [
+    info.name
+    for package, prefix in packages
+    for info in pkgutil.walk_packages(package.__path__, prefix)
+    if not info.name.endswith("_test")
+  ]
+
+
 @functools.cache
 def source_comments() -> dict[str, list[str]]:
-  """``name -> lines`` of every module-level ``#:`` comment in ``zerojax._src`` and the
-  launcher's package."""
+  """``name -> lines`` of every module-level ``#:`` comment in ``source_modules()``."""
   found = {}
-  packages = ((zerojax._src, "zerojax._src."), (zerojax_launch, "zerojax_launch."))
-  for package, prefix in packages:
-    for info in pkgutil.walk_packages(package.__path__, prefix):
-      docs = ModuleAnalyzer.for_module(info.name).find_attr_docs()
-      found.update((name, list(lines)) for (scope, name), lines in docs.items() if not scope)
+  for module in source_modules():
+    docs = ModuleAnalyzer.for_module(module).find_attr_docs()
+    found.update((name, list(lines)) for (scope, name), lines in docs.items() if not scope)
   return found
 
 

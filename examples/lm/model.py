@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import zerojax
@@ -179,7 +180,7 @@ def sample(
   ``run`` runs the sampler on the parameters as they are stored (the
   ``forward`` of ``stages.Setup``): ``rows`` continuations at once, split over
   the devices like a batch, row ``r`` drawn from ``fold_in(key, r)``. Returns
-  the first, the same whatever ``rows`` is.
+  the first, the same whatever ``rows`` is, on every process (each must call it).
   """
   start = len(prompt.encode())
   seq_len = model.seq_len
@@ -200,7 +201,9 @@ def sample(
     return jax.lax.fori_loop(0, SAMPLE_LENGTH, next_byte, (buffers, keys))[0]
 
   keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(rows))
-  out = np.asarray(jax.jit(run(generate))(params, np.tile(buffer, (rows, 1)), keys))
+  rows_out = jax.jit(run(generate))(params, np.tile(buffer, (rows, 1)), keys)
+  # In a multi-process run each process holds only its devices' rows: every process gets all.
+  out = np.asarray(multihost_utils.process_allgather(rows_out, tiled=True))
   return out[0, : start + SAMPLE_LENGTH].astype(np.uint8).tobytes().decode("utf-8", "replace")
 
 
