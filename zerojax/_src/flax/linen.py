@@ -128,7 +128,8 @@ def scan(
   numbers), and that ``apply`` runs with ``zerojax.scan``: under
   ``zerojax.value_and_grad`` each layer's parameters arrive gathered, one
   layer ahead of the compute with ``prefetch=1`` (see ``zerojax.scan``), so
-  ``Block`` needs no ``gathered`` wrapper and no ``nn.remat``. ``Block`` has
+  ``Block`` needs no ``gathered`` wrapper; under ``nn.remat`` its policy decides what
+  the backward pass keeps (``zerojax.scan``). ``Block`` has
   ``nn.scan``'s form ``(carry, x) -> (carry, y)``; construct the result with
   ``Block``'s own fields.
 

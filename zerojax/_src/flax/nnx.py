@@ -187,7 +187,8 @@ def scan(
   rebuilt from its slice of ``layers``' state. Under
   ``value_and_grad(..., gather=False)`` each layer's parameters arrive
   gathered, one layer ahead of the compute with ``prefetch=1`` (see
-  ``zerojax.scan``), so ``f`` needs no ``gathered`` and no ``nnx.remat``.
+  ``zerojax.scan``), so ``f`` needs no ``gathered``; under ``nnx.remat`` its policy
+  decides what the backward pass keeps.
   Layers are read, not written: what ``f`` changes in a layer's state is lost.
 
   Args:

@@ -80,14 +80,20 @@ def scan(
   under ``jax.checkpoint``. All give the same numbers, to rounding (XLA fuses
   the programs differently).
 
-  What the backward pass reads from the forward pass is ``policy``'s choice,
-  as for ``jax.checkpoint``: by default every intermediate value of a layer is
-  saved and none recomputed; ``jax.checkpoint_policies.dots_saveable`` saves
-  only matmul outputs (the rest is recomputed), ``nothing_saveable`` only the
-  layer's inputs (the whole layer is recomputed). Whatever the policy, the
-  gathered weights are never saved, nor anything computed from them alone (a
-  cast or a transpose of a weight): the backward pass gathers the layer
-  again, so a layer's weights are whole on a device only while it computes.
+  What the backward pass reads from the forward pass is the layer's own
+  choice: each value is kept if the policy of the innermost ``jax.checkpoint``
+  around it in ``f`` (``jax.remat``, ``nn.remat``, ``nnx.remat``) keeps it,
+  offloaded if that policy offloads it (``save_and_offload_only_these_names``),
+  and for values under no checkpoint of ``f``'s, as ``policy`` says: by
+  default every intermediate value is saved and none recomputed;
+  ``jax.checkpoint_policies.dots_saveable`` saves only matmul outputs (the rest
+  is recomputed), ``nothing_saveable`` only the layer's inputs (the whole layer
+  is recomputed). Whatever the policies, the gathered weights are never saved,
+  nor anything computed from them alone (a cast or a transpose of a weight):
+  the backward pass gathers the layer again, so a layer's weights are whole on
+  a device only while it computes. ``f`` may close over values of the
+  enclosing function (a causal mask, rotary tables, a key): every layer reads
+  the same copy.
 
   Outside ``zerojax.value_and_grad`` (on full arrays, for evaluation) and at
   stage 1 (no shards) it is ``jax.lax.scan``, of ``jax.checkpoint(f, policy=policy)``
@@ -102,7 +108,10 @@ def scan(
     prefetch: 1 to gather one layer ahead, 0 not to.
     policy: a ``jax.checkpoint`` policy (``jax.checkpoint_policies``) naming
       the values the backward pass reads from the forward pass, or the name
-      of one (``"dots_saveable"``); ``None`` saves every one but the weights.
+      of one (``"dots_saveable"``), for the values of ``f`` under no
+      ``jax.checkpoint`` of its own; ``None`` saves every one but the
+      weights. Refused for an ``f`` wholly under its own checkpoint, which
+      it would not change.
     defer_reductions: with ``prefetch=1``, reduce-scatter each layer's
       gradient one iteration late; ``None`` (the default) does so on GPUs
       for quantized gradients or reductions across nodes, and with
@@ -229,7 +238,7 @@ def _check_layer_axis(shards: list[shards_lib.Shard]) -> None:
 
 
 def _checked(f: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, Any], tuple[Any, Any]]:
-  """``f``, raising a clear error when it does not return a ``(carry, y)`` pair of the same carry."""
+  """``f``, raising a clear error unless it returns ``(carry, y)`` with the carry it was given."""
 
   @functools.wraps(f)
   def checked(carry, x):
@@ -261,9 +270,9 @@ def _check_carry(given: Any, returned: Any) -> None:
       promoted = jnp.issubdtype(after.dtype, jnp.floating) and after.dtype != before.dtype
       raise ValueError(
         f"zerojax.scan's f returned the carry{jax.tree_util.keystr(path)} as "
-        f"{after.dtype}{list(after.shape)}, but was given it as {before.dtype}{list(before.shape)}: "
-        "a layer must return its carry with the shape and dtype it received, as for "
-        "jax.lax.scan."
+        f"{after.dtype}{list(after.shape)}, but was given it as "
+        f"{before.dtype}{list(before.shape)}: a layer must return its carry with the shape and "
+        "dtype it received, as for jax.lax.scan."
         + (
           f" Something in the layer promoted {before.dtype} to {after.dtype}: a NumPy scalar "
           "(np.sqrt(d) is a float64, which JAX takes as float32) or a float32 array; use a "
