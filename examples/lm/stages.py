@@ -48,11 +48,12 @@ FINAL_LR_DIVISOR = 10
 
 def make_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
   """Global-norm clipping and AdamW with linear warmup and cosine decay over ``steps``."""
+  warmup = max(1, steps // 20)
   schedule = optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=lr,
-    warmup_steps=max(1, steps // 20),
-    decay_steps=steps,
+    warmup_steps=warmup,
+    decay_steps=max(steps, warmup + 1),  # optax needs some decay after the warmup
     end_value=lr / FINAL_LR_DIVISOR,
   )
   return optax.chain(
