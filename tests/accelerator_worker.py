@@ -9,6 +9,10 @@ its layer loops (``zerojax.diagnostics.loop_collectives``) and, on GPU, XLA's es
 the step from its scheduler's log and how many reduce-scatters XLA's collective pipeliner moved
 across loop iterations. Setups whose names end in "(biased)" train a second model:
 bfloat16 compute, a bias per matrix, and a hidden width no mesh axis divides (padded shards).
+Setups whose names end in "(offloaded)" or "(named saved)" run the first model under the
+layer's own ``jax.checkpoint``, whose policy offloads the up-projection (checkpoint name
+``"hidden"``) to pinned host memory or keeps it on the device; they report
+``zerojax.diagnostics.profile`` 's host fields too.
 """
 
 import argparse
@@ -20,6 +24,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -43,6 +48,18 @@ ODD, BIASED_LAYERS = 1500, 16
 #: loop's reductions only with enough compute to hide them behind, so it keeps 4096.
 TOKENS = {"cuda": 8 * 512, "tpu": 8 * 128}
 DOTS = jax.checkpoint_policies.dots_saveable
+#: The checkpoint name of the activation the "(offloaded)" and "(named saved)" setups keep.
+HIDDEN = "hidden"
+#: The layer's own policies: offload the named activation to host memory, or keep it on the device.
+NAMED = {
+  "offloaded": jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=[HIDDEN],
+    offload_src="device",
+    offload_dst="pinned_host",
+  ),
+  "named saved": jax.checkpoint_policies.save_only_these_names(HIDDEN),
+}
 
 
 def abstract(tree, shardings):
@@ -74,6 +91,16 @@ def block(h, w):
   return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
 
 
+def named_block(keep):
+  """``block`` under its own ``jax.checkpoint``, whose policy ``NAMED[keep]`` keeps "hidden"."""
+
+  def layer(h, w):
+    hidden = checkpoint_name(h @ w["up"], HIDDEN)
+    return h + jax.nn.gelu(hidden) @ w["down"], None
+
+  return jax.checkpoint(layer, policy=NAMED[keep])
+
+
 def plain_step(opt, loss, arrays=lambda params: params):
   """A step of plain ``jax.value_and_grad`` on ``arrays(params)`` (``tx.unpad`` for zerojax)."""
 
@@ -95,8 +122,12 @@ def fsdp_spec(shape):
   return P()  # a bias of the odd width stays whole: a NamedSharding cannot pad it
 
 
-def gspmd(mesh, spec, biased=False):
-  """Plain JAX with parameters and Adam state placed by ``spec`` (``P()``: plain DP)."""
+def gspmd(mesh, spec, biased=False, keep=None):
+  """Plain JAX with parameters and Adam state placed by ``spec`` (``P()``: plain DP).
+
+  With ``keep``, the layer is ``named_block(keep)`` (the layer's own policy), else
+  ``block`` under ``DOTS``.
+  """
   opt = optax.adam(1e-3)
   full = full_params(biased)
   specs = jax.tree.map(lambda x: fsdp_spec(x.shape) if spec != P() else P(), full)
@@ -109,19 +140,21 @@ def gspmd(mesh, spec, biased=False):
     jax.tree.map(lambda x: by_shape[x.shape] if x.ndim else NamedSharding(mesh, P()), state),
   )
   batch = NamedSharding(mesh, P("data"))
+  layer = block if keep is None else named_block(keep)
 
   def loss(params, x):
-    body = lambda h, w: block(jax.lax.with_sharding_constraint(h, batch), w)
-    h, _ = jax.lax.scan(jax.checkpoint(body, policy=DOTS), x, params)
+    body = lambda h, w: layer(jax.lax.with_sharding_constraint(h, batch), w)
+    h, _ = jax.lax.scan(body if keep else jax.checkpoint(body, policy=DOTS), x, params)
     return jnp.mean(h**2)
 
   return plain_step(opt, loss), (params, state)
 
 
-def zero(mesh, stage, stack=None, biased=False):
+def zero(mesh, stage, stack=None, biased=False, keep=None):
   """zerojax's ``stage``: ``stack`` runs the layers on the explicit path, else drop-in.
 
   The biased model gathers and reduces in bfloat16 and shards every leaf, the biases too.
+  With ``keep``, ``zerojax.scan`` runs ``named_block(keep)``, under its own policy.
   """
   # Gradients reduced in bfloat16 too, as GSPMD FSDP reduces those of the bfloat16 casts.
   bf16 = zerojax.Precision(params="fp32", compute="bf16", reduce="bf16")
@@ -138,6 +171,8 @@ def zero(mesh, stage, stack=None, biased=False):
       policy = zerojax.except_gathered(DOTS)
       body = jax.checkpoint(lambda h, w: block(h, zerojax.gather(w)), policy=policy)
       h, _ = jax.lax.scan(body, x, params)
+    elif keep is not None:
+      h, _ = zerojax.scan(named_block(keep), x, params, prefetch=stack)
     elif stack == "defer":
       h, _ = zerojax.scan(block, x, params, policy=DOTS, defer_reductions=True)
     else:
@@ -183,6 +218,14 @@ def setups(target):
       explicit,
     ),
     "zero3 gather (biased)": lambda: (zero(explicit, 3, stack="gather", biased=True), explicit),
+    **{
+      f"{name} ({keep})": build
+      for keep in NAMED
+      for name, build in (
+        ("GSPMD FSDP", lambda keep=keep: (gspmd(auto, P(None, "data"), keep=keep), auto)),
+        ("zero3 scan", lambda keep=keep: (zero(explicit, 3, stack=1, keep=keep), explicit)),
+      )
+    },
   }
 
 
@@ -207,21 +250,30 @@ def pipelined_reductions(text):
   return sum('"is_pipelined":true' in line for line in starts)
 
 
-def measure(target, build):
+def measure(target, build, profiled=False):
   (step, (params, state)), mesh = build()
   platform = deviceless_target(target).platform
   x = jax.ShapeDtypeStruct(
     (TOKENS[platform], D), jnp.float32, sharding=NamedSharding(mesh, P("data"))
   )
+  jitted = jax.jit(step, donate_argnums=(0, 1))
   with capture_stderr() as log:
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
+    compiled = jitted.lower(params, state, x).compile()
   memory = compiled.memory_analysis()
   report = {
     "arguments": memory.argument_size_in_bytes,
     "temporaries": memory.temp_size_in_bytes,
     "loops": [dataclasses.asdict(loop) for loop in zerojax.diagnostics.loop_collectives(compiled)],
     "narrowed_stacks": narrowed_stacks(compiled.as_text(), params),
+    "host_buffers": len(re.findall(r"S\(5\)\}", compiled.as_text() or "")),
   }
+  if profiled:  # zerojax.diagnostics.profile compiles the step again, as a user calls it
+    found = zerojax.diagnostics.profile(jitted, params, state, x)
+    report["profile"] = {
+      field.name: getattr(found, field.name)
+      for field in dataclasses.fields(found)
+      if field.name.endswith("_bytes")
+    }
   if platform == "cuda":
     estimate = scheduler_estimate(log[0], compiled)
     report["cycles"] = estimate.cycles
@@ -241,7 +293,10 @@ def main():
     for name, build in setups(args.target).items()
     if name in args.setups or not args.setups
   }
-  results = {name: measure(args.target, build) for name, build in chosen.items()}
+  results = {
+    name: measure(args.target, build, profiled=any(f"({keep})" in name for keep in NAMED))
+    for name, build in chosen.items()
+  }
   with open(args.out, "w") as out:
     json.dump(results, out, indent=1)
   print(

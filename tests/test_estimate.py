@@ -450,3 +450,32 @@ def test_profile_of_a_zero3_step(mesh):
   assert report.collectives["reduce-scatter"].count > 0
   assert report.peak_bytes >= report.temp_bytes > 0
   assert "reduce-scatter" in str(report) and "peak" in str(report)
+
+
+def test_offloaded_activations_are_host_memory_apart_from_the_model_states():
+  plain = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3, offload="optimizer")
+  offloading = zerojax.estimate_memory(
+    7.5e9,
+    num_devices=64,
+    stage=3,
+    offload="optimizer",
+    offloaded_activation_bytes=2048 * 16384 * 2,
+    num_layers=56,
+  )
+  assert offloading.host_activations == 56 * 2048 * 16384 * 2
+  assert offloading._replace(host_activations=0.0) == plain
+  assert plain.host_activations == 0.0
+
+
+@pytest.mark.parametrize(
+  "options, message",
+  [
+    (dict(offloaded_activation_bytes=-1), "offloaded_activation_bytes must be"),
+    (dict(offloaded_activation_bytes="1"), "offloaded_activation_bytes must be"),
+    (dict(offloaded_activation_bytes=8, num_layers=0), "num_layers must be"),
+    (dict(offloaded_activation_bytes=8, num_layers=2.5), "num_layers must be"),
+  ],
+)
+def test_offloaded_activations_are_checked(options, message):
+  with pytest.raises(ValueError, match=message):
+    zerojax.estimate_memory(1e9, num_devices=8, stage=3, **options)

@@ -27,7 +27,8 @@ class MemoryEstimate(NamedTuple):
 
   The first four fields count device memory; ``host`` counts what ``offload``
   keeps in host memory for the device (a host of 8 devices holds 8 times that),
-  and ``secondary`` what hpZ holds during a step.
+  ``secondary`` what hpZ holds during a step, and ``host_activations`` the
+  activations a step offloads to host memory, as the caller gave them.
 
   Attributes:
     params: parameters.
@@ -41,12 +42,18 @@ class MemoryEstimate(NamedTuple):
       layer's forward gather to its backward gather (a temporary of the step,
       as activations are, so not in ``total``): every layer's 1/(devices per
       node), in the compute dtype; 0 without hpZ.
+    host_activations: activations offloaded to host memory during a step
+      (``save_and_offload_only_these_names``), from each layer's forward pass
+      to its backward pass: ``num_layers`` x ``offloaded_activation_bytes``.
+      A temporary of the step, so neither in ``total`` nor in ``host`` (the
+      model states between steps); the host memory a device needs at the
+      step's peak is ``host + host_activations``. 0 unless given.
 
   Example:
     >>> import zerojax
     >>> estimate = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3)
     >>> [round(gigabytes / 1e9, 2) for gigabytes in estimate]
-    [0.23, 0.23, 1.41, 1.88, 0.0, 0.0]
+    [0.23, 0.23, 1.41, 1.88, 0.0, 0.0, 0.0]
     >>> offloaded = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3, offload="optimizer")
     >>> round(offloaded.total / 1e9, 2), round(offloaded.host / 1e9, 2)
     (0.94, 0.94)
@@ -58,6 +65,7 @@ class MemoryEstimate(NamedTuple):
   total: float
   host: float = 0.0
   secondary: float = 0.0
+  host_activations: float = 0.0
 
 
 def _check(
@@ -150,8 +158,8 @@ def _share(splits: bool, whole: float, split: float, num_devices: int) -> float:
   return split / num_devices if splits else float(whole)
 
 
-def _estimate(params, grads, state, host=0.0, secondary=0.0) -> MemoryEstimate:
-  return MemoryEstimate(params, grads, state, params + grads + state, host, secondary)
+def _estimate(params, grads, state, host=0.0, secondary=0.0, activations=0.0) -> MemoryEstimate:
+  return MemoryEstimate(params, grads, state, params + grads + state, host, secondary, activations)
 
 
 def estimate_memory(
@@ -169,6 +177,8 @@ def estimate_memory(
   pipeline_stages: int = 1,
   pipeline_reduce: str | None = None,
   secondary_devices: int | None = None,
+  offloaded_activation_bytes: float = 0,
+  num_layers: int = 1,
 ) -> MemoryEstimate:
   """Per-device bytes of parameters, gradients and optimizer state at a ZeRO stage.
 
@@ -206,6 +216,20 @@ def estimate_memory(
   model states are those of stage 3, and ``secondary`` counts the secondary
   partitions a step holds: Ψ x ``param_bytes`` / ``secondary_devices``.
 
+  Activations are not estimated (they depend on the model's code, the batch
+  and the checkpoint policy), but those a layer's checkpoint policy offloads
+  to host memory (``jax.checkpoint_policies.save_and_offload_only_these_names``)
+  are host memory a step needs on top of ``host``: give the bytes one layer
+  offloads on one device as ``offloaded_activation_bytes`` (the named
+  activations of its share of the batch; for one ``[tokens, width]`` value,
+  tokens per device x width x its dtype's bytes) and the layers as
+  ``num_layers``, and ``host_activations`` is their product, what
+  ``jax.lax.scan`` of the layer holds. Compiled, ``zerojax.scan`` holds about
+  that: it hands the last layer's activations straight to the backward pass,
+  which XLA:GPU keeps on the device (``num_layers - 1`` layers' in host
+  memory) and XLA:TPU sends to host memory and back (docs/offload.md,
+  "Activations to host memory").
+
   Args:
     num_params: Ψ, the number of parameters.
     num_devices: N, the size of the data-parallel axes.
@@ -222,6 +246,9 @@ def estimate_memory(
       default), as ``zerojax.pipeline``'s ``reduce``.
     secondary_devices: stage 3's hpZ: the size of the intra-node data axes
       (devices per node), or ``None``.
+    offloaded_activation_bytes: bytes of activations one layer's checkpoint
+      policy offloads to host memory, per device; 0 for none.
+    num_layers: how many layers offload ``offloaded_activation_bytes`` each.
 
   Returns:
     A ``MemoryEstimate`` in bytes.
@@ -269,8 +296,17 @@ def estimate_memory(
     >>> hpz = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3, secondary_devices=8)
     >>> round(hpz.total / 1e9, 2), round(hpz.secondary / 1e9, 2)
     (1.88, 1.88)
+
+  Its 56 layers each offloading one bf16 ``[2048, 16384]`` activation a device (2048 tokens
+  a device, the up-projection's output) hold 3.76 GB of host memory per device in a step:
+
+    >>> offloading = zerojax.estimate_memory(7.5e9, num_devices=64, stage=3,
+    ...   offloaded_activation_bytes=2048 * 16384 * 2, num_layers=56)
+    >>> round(offloading.total / 1e9, 2), round(offloading.host_activations / 1e9, 2)
+    (1.88, 3.76)
   """
   stage_ = _check(num_devices, stage, replicas, tensor_parallel, offload, pipeline_stages)
+  activations = _offloaded_activations(offloaded_activation_bytes, num_layers)
   nodes = _nodes(num_devices, stage, secondary_devices, pipeline_stages)
   once = reduces_once(pipeline_reduce, stage_.splits_params)
   num_params = num_params / (tensor_parallel * pipeline_stages)
@@ -287,7 +323,20 @@ def estimate_memory(
     share(stage_.splits_state, num_params * (state_bytes - host_bytes)),
     share(stage_.splits_state, num_params * host_bytes),
     num_params * param_bytes * nodes / num_devices if nodes > 1 else 0.0,
+    activations,
   )
+
+
+def _offloaded_activations(per_layer: float, num_layers: int) -> float:
+  """``num_layers`` x ``per_layer`` bytes, once both are checked."""
+  if isinstance(per_layer, bool) or not isinstance(per_layer, int | float) or per_layer < 0:
+    raise ValueError(
+      f"offloaded_activation_bytes must be a number of bytes, at least 0, got {per_layer!r}: "
+      "the bytes one layer's checkpoint policy offloads to host memory on one device."
+    )
+  if not hasattr(num_layers, "__index__") or isinstance(num_layers, bool) or num_layers < 1:
+    raise ValueError(f"num_layers must be a whole number, at least 1, got {num_layers!r}.")
+  return float(per_layer * num_layers)
 
 
 def estimate_tree_memory(

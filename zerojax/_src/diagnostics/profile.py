@@ -22,12 +22,27 @@ class StepProfile:
     output_bytes: outputs.
     alias_bytes: outputs that reuse donated inputs' buffers.
     temp_bytes: temporaries: activations, gathered weights, gradients in flight.
-    peak_bytes: an upper bound on the step's peak, ``argument + output -
-      alias + temp`` (every buffer live at once). Backends' own
-      ``peak_memory_in_bytes`` is not used: the CPU backend reports less than
-      its temporaries.
+    peak_bytes: an upper bound on the step's peak in device memory,
+      ``argument + output - alias + temp`` (every buffer live at once; host
+      memory is not in it). Backends' own ``peak_memory_in_bytes`` is not
+      used: the CPU backend reports less than its temporaries.
     collectives: per kind, executions and bytes per step (see
       ``zerojax.diagnostics.count_collectives``).
+    host_argument_bytes: inputs in host memory (``offload=`` 's optimizer
+      state, between steps).
+    host_output_bytes: outputs in host memory.
+    host_alias_bytes: host outputs that reuse donated host inputs' buffers.
+    host_temp_bytes: temporaries in host memory: the activations a
+      checkpoint policy offloads (``save_and_offload_only_these_names``),
+      held from the forward pass to the backward pass.
+    host_peak_bytes: the same bound for the host memory the device uses,
+      ``host_argument + host_output - host_alias + host_temp``.
+
+  The host fields are the compiler's ``memory_analysis()`` 's ``host_*``
+  sizes. XLA:TPU and XLA:GPU report them (an offloaded activation is a
+  buffer in memory space 5, ``S(5)`` in the compiled text); XLA:CPU, whose
+  host memory is its device memory, reports 0, so compile for an accelerator
+  (``zerojax.diagnostics.deviceless_mesh``) to see them.
 
   Example:
     >>> import jax.numpy as jnp, zerojax
@@ -42,11 +57,20 @@ class StepProfile:
   temp_bytes: int
   peak_bytes: int
   collectives: dict[str, Collective]
+  host_argument_bytes: int = 0
+  host_output_bytes: int = 0
+  host_alias_bytes: int = 0
+  host_temp_bytes: int = 0
+  host_peak_bytes: int = 0
 
   def __str__(self) -> str:
     lines = ["memory per device (MiB)"]
     for name in ("argument", "output", "alias", "temp", "peak"):
       lines.append(f"  {name:<9}{getattr(self, name + '_bytes') / _MIB:>12.3f}")
+    if self.host_peak_bytes:  # only where the compiler places something in host memory
+      lines.append("host memory per device (MiB)")
+      for name in ("argument", "output", "alias", "temp", "peak"):
+        lines.append(f"  {name:<9}{getattr(self, 'host_' + name + '_bytes') / _MIB:>12.3f}")
     lines.append("collectives per step      count     MiB")
     for kind, stats in self.collectives.items():
       lines.append(f"  {kind:<20}{stats.count:>8}{stats.bytes / _MIB:>10.3f}")
@@ -90,6 +114,10 @@ def profile(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepProfile:
     - memory.alias_size_in_bytes
     + memory.temp_size_in_bytes
   )
+  host = {
+    name: getattr(memory, f"host_{name}_size_in_bytes", 0) or 0
+    for name in ("argument", "output", "alias", "temp")
+  }
   return StepProfile(
     argument_bytes=memory.argument_size_in_bytes,
     output_bytes=memory.output_size_in_bytes,
@@ -97,4 +125,9 @@ def profile(step: Callable[..., Any], *args: Any, **kwargs: Any) -> StepProfile:
     temp_bytes=memory.temp_size_in_bytes,
     peak_bytes=peak,
     collectives=count_collectives(compiled),
+    host_argument_bytes=host["argument"],
+    host_output_bytes=host["output"],
+    host_alias_bytes=host["alias"],
+    host_temp_bytes=host["temp"],
+    host_peak_bytes=host["argument"] + host["output"] - host["alias"] + host["temp"],
   )
