@@ -58,16 +58,17 @@ class Traced:
 
   jaxpr: jex.ClosedJaxpr
   out_tree: Any
-  hoisted: tuple[bool, ...]
+  hoisted: tuple[bool, ...]  # per constant of ``jaxpr``: whether it is one of ``consts``
   consts: tuple[Any, ...]
 
   def function(self, *args: Any) -> Any:
     """The function again, with ``consts`` as trailing arguments: ``function(*args, *consts)``."""
     flat = jax.tree.leaves(args[: len(args) - len(self.consts)])
-    out = _evaluate(self.jaxpr, self._consts(args[len(args) - len(self.consts) :]), flat)
+    out = _evaluate(self.jaxpr, self.constants(args[len(args) - len(self.consts) :]), flat)
     return jax.tree.unflatten(self.out_tree, out)
 
-  def _consts(self, hoisted: Sequence[Any]) -> list[Any]:
+  def constants(self, hoisted: Sequence[Any]) -> list[Any]:
+    """The jaxpr's constants, with ``hoisted`` where ``consts`` were."""
     given = iter(hoisted)
     return [next(given) if h else c for h, c in zip(self.hoisted, self.jaxpr.consts, strict=True)]
 
@@ -136,7 +137,7 @@ def checkpoint(f: Callable[..., Any], policy: Callable[..., Any] | None) -> Call
 
     def marked(consts, flat):
       judge = _Judge(shards_lib.except_gathered(policy), marks)
-      return judge.evaluate(traced.jaxpr.jaxpr, traced._consts(consts), flat)
+      return judge.evaluate(traced.jaxpr.jaxpr, traced.constants(consts), flat)
 
     # The policy is asked once ``marked`` has been traced, when ``marks`` knows where to offload.
     chosen = lambda *args, **params: marks.policy()(*args, **params)
