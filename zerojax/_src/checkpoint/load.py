@@ -74,6 +74,15 @@ class _Source(NamedTuple):
       shape = tuple(shape[axis] for axis in self.transpose)
     return (len(self.tensors), *shape) if self.stacked else shape
 
+  @property
+  def file_order(self) -> tuple[int, ...]:
+    """The leaf's axes in the order the files lay them out, from the slowest-varying: the layers,
+    then each tensor's axes, which a transpose reorders in the leaf."""
+    axes = range(len(self.tensors[0].shape))
+    if self.transpose is not None:
+      axes = sorted(axes, key=self.transpose.__getitem__)
+    return (0, *(axis + 1 for axis in axes)) if self.stacked else tuple(axes)
+
   def tensor_at(self, index: tuple[int, ...]) -> tensor_files.FileTensor:
     """The tensor the leaf's element at ``index`` is read from."""
     return self.tensors[index[0] if self.stacked else 0]
@@ -265,7 +274,8 @@ def _place(
   box = _tiled_box(set(shards))
   itemsize = max(stored.dtype.itemsize, dtype.itemsize, source.tensors[0].dtype.itemsize)
   for cover in [box] if box is not None else list(shards):
-    for piece in _pieces(_clipped(cover, stored.shape), PIECE_BYTES // itemsize):
+    pieces = _pieces(_clipped(cover, stored.shape), PIECE_BYTES // itemsize, source.file_order)
+    for piece in pieces:
       values = source.read(tuple(slice(a, b) for a, b in piece))
       for cast_to, held_by in ((dtype, _LIKE), (stored.dtype, _STORED)):
         cast = _cast(values, cast_to)
@@ -390,7 +400,19 @@ def _clipped(bounds: Bounds, shape: tuple[int, ...]) -> Bounds:
   return tuple((min(a, n), min(b, n)) for (a, b), n in zip(bounds, shape, strict=True))
 
 
-def _pieces(box: Bounds, elements: int) -> Iterator[Bounds]:
+def _pieces(box: Bounds, elements: int, order: Sequence[int]) -> Iterator[Bounds]:
+  """``box`` cut into boxes of at most ``elements`` (or one row of the last axis in ``order``).
+
+  Cut across the axes in ``order`` (the files' layout of the leaf's axes), the first first, so a
+  piece of a transposed leaf is rows of its tensor, each row's part one span of the file, and not
+  a few columns of every row.
+  """
+  inverse = np.argsort(order)
+  for piece in _pieces_in_order(tuple(box[axis] for axis in order), elements):
+    yield tuple(piece[axis] for axis in inverse)
+
+
+def _pieces_in_order(box: Bounds, elements: int) -> Iterator[Bounds]:
   """``box`` cut into boxes of at most ``elements`` (or one row of its last dimension)."""
   sizes = _extent(box)
   if not box:
