@@ -26,9 +26,10 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 import zerojax
+from tests.helpers import AXIS_TYPES
 from zerojax._src.checkpoint import tensor_files
 
 LAYERS = 4
@@ -68,8 +69,6 @@ HUGGINGFACE_LAYERS, WIDTH, HIDDEN, VOCAB = 8, 2048, 768, 1021
 def write_huggingface_model(path: Path) -> None:
   """A model as HuggingFace keeps it, written by its ``safetensors``: layers apart, ``Linear``
   weights ``(out, in)``, a vocabulary of 1021 (prime: it pads at stage 3), a bfloat16 head."""
-  from safetensors.numpy import save_file
-
   rng = np.random.default_rng(0)
   normal = lambda *shape: rng.standard_normal(shape, np.float32)
   arrays = {
@@ -175,8 +174,7 @@ def main(directory: Path) -> None:
 def floor(directory: Path, axis_type: str) -> None:
   """Loads the HuggingFace-style model, measuring this process's peak memory over its baseline."""
   zerojax.distributed.initialize(heartbeat_timeout=20, collective_timeout=60)
-  types = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
-  mesh = jax.make_mesh((8,), ("data",), (types[axis_type],))
+  mesh = jax.make_mesh((8,), ("data",), (AXIS_TYPES[axis_type],))
   tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
   like, keys = huggingface_like()
   # JAX started: the processes' first collective (which loading runs, to check that every
@@ -188,7 +186,21 @@ def floor(directory: Path, axis_type: str) -> None:
   jax.block_until_ready(params)
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   held = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
-  report = {"growth_mib": peak - before, "held_mib": held / 2**20}
+
+  # Checked after measuring: HuggingFace's reader loads the whole file.
+  whole = load_file(str(directory / "huggingface.safetensors"))
+  expected = {
+    "layers": np.stack([whole[name].T for name in keys["layers"].key]),
+    "embed": whole["model.embed_tokens.weight"],
+    "head": whole["lm_head.weight"].T.astype(np.float32),
+  }
+  exact = True
+  for name, leaf in params.items():
+    padded = np.zeros(leaf.shape, np.float32)
+    padded[tuple(slice(0, n) for n in expected[name].shape)] = expected[name]
+    for shard in leaf.value.addressable_shards:
+      exact &= np.array_equal(np.asarray(shard.data), padded[shard.index])
+  report = {"growth_mib": peak - before, "held_mib": held / 2**20, "exact": bool(exact)}
   (directory / f"floor.p{jax.process_index()}.json").write_text(json.dumps(report))
 
 
