@@ -185,6 +185,7 @@ def row(way: str, size: float, reports: list[dict]) -> dict[str, Any]:
 
 
 def main() -> None:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the provenance names the CPU the jobs ran on
   import report
 
   clock = report.Clock()
