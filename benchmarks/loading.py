@@ -9,10 +9,14 @@ what it held just before loading, and the bytes it read (``rchar`` of ``/proc/se
   per shard (the memory-mapped reader: the pages a strided slice touches count as resident);
 * the whole file with ``safetensors.numpy.load_file``, then ``tx.shard``;
 * ``zerojax.CheckpointManager.restore`` of a checkpoint of the same parameters (saved at stage 3
-  by one process of 8 devices) with Adam's two moments, 3x the parameters' bytes.
+  by one process of 8 devices) with Adam's two moments, 3x the parameters' bytes;
+* ``zerojax.load_safetensors`` of a file written by HuggingFace's ``safetensors`` (issue 56:
+  ``model.layers.{i}.mlp.up_proj.weight``, (2048, 4096) float32 as PyTorch keeps them, one a
+  32 MiB, and a (1021, 4096) embedding), with ``keys`` that stack the layers and transpose them
+  into one scanned (layers, 4096, 2048) leaf, on mesh axes of each type.
 
 On CPU devices the devices' memory is the process's: each process's own half of the model is
-part of its growth. Run from the repository root::
+part of its growth, and the floor. Run from the repository root::
 
   python benchmarks/loading.py --markdown docs/loading.md
 """
@@ -20,19 +24,25 @@ part of its growth. Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 MIB = 2**20
+#: The ways of loading ``model.safetensors`` (or its checkpoint), then ``huggingface.safetensors``.
 WAYS = ("load_safetensors", "safe_open slices", "whole file", "checkpoint restore")
-BEGIN, END = "<!-- loading results: begin -->", "<!-- loading results: end -->"
+HUGGINGFACE_WAYS = (
+  "load_safetensors: HuggingFace's file, keys=, Explicit axes",
+  "load_safetensors: HuggingFace's file, keys=, Auto axes",
+)
+BEGIN = "<!-- loading results: begin -->"
+#: The files the ways load: ``model.safetensors`` for ``WAYS``, the other for ``HUGGINGFACE_WAYS``.
+FILES = ("model.safetensors", "huggingface.safetensors")
 
 
 def shapes(mib: int) -> dict[str, tuple[int, ...]]:
@@ -45,6 +55,27 @@ def shapes(mib: int) -> dict[str, tuple[int, ...]]:
   }
 
 
+def huggingface_layers(mib: int) -> list[str]:
+  """The names of the HuggingFace file's layers: one a 32 MiB, about ``mib`` MiB of them."""
+  return [f"model.layers.{i}.mlp.up_proj.weight" for i in range(max(1, mib // 32))]
+
+
+def huggingface_like(mib: int) -> tuple[dict, dict]:
+  """The leaves of a scanned model, (in, out), and the ``keys`` that read them from the file."""
+  import jax
+  import numpy as np
+
+  import zerojax
+
+  layers = huggingface_layers(mib)
+  like = {
+    "layers": jax.ShapeDtypeStruct((len(layers), 4096, 2048), np.float32),
+    "embed": jax.ShapeDtypeStruct((1021, 4096), np.float32),
+  }
+  keys = {"layers": zerojax.FileKey(layers, transpose=(1, 0)), "embed": "model.embed_tokens.weight"}
+  return like, keys
+
+
 def resident_mib() -> float:
   return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
 
@@ -54,15 +85,23 @@ def bytes_read() -> int:
 
 
 def prepare(directory: Path, mib: int) -> None:
-  """Writes ``model.safetensors`` and a stage-3 checkpoint of the same parameters (one process)."""
+  """Writes ``model.safetensors``, a stage-3 checkpoint of the same parameters (one process), and
+  ``huggingface.safetensors`` with HuggingFace's writer."""
   import jax
   import numpy as np
   import optax
+  from safetensors.numpy import save_file
 
   import zerojax
   from zerojax._src.checkpoint import tensor_files
 
   rng = np.random.default_rng(0)
+  normal = lambda *shape: rng.standard_normal(shape, np.float32)
+  # Saved one tensor at a time: the file alone is the benchmark's size.
+  huggingface = {name: normal(2048, 4096) for name in huggingface_layers(mib)}
+  huggingface["model.embed_tokens.weight"] = normal(1021, 4096)
+  save_file(huggingface, str(directory / "huggingface.safetensors"))
+  del huggingface
   arrays = {name: rng.standard_normal(shape, np.float32) for name, shape in shapes(mib).items()}
   tensor_files.write(directory / "model.safetensors", arrays)
   tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((8,), ("data",)))
@@ -78,18 +117,27 @@ def worker(directory: Path, way: str) -> None:
   import jax
   import numpy as np
   import optax
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import zerojax
 
   zerojax.distributed.initialize()
   path = directory / "model.safetensors"
-  tx = zerojax.zero3(optax.adam(1e-3), mesh=jax.make_mesh((8,), ("data",)))
+  axis_type = jax.sharding.AxisType.Auto if way == HUGGINGFACE_WAYS[1] else None
+  mesh = jax.make_mesh((8,), ("data",), None if axis_type is None else (axis_type,))
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
   like = {name: jax.ShapeDtypeStruct(s, np.float32) for name, s in shapes(args.mib).items()}
-  first = next(iter(like))
-  zerojax.load_safetensors(path, tx, {first: like[first]})  # warms up transfers, collectives
+  # JAX started: the processes' first collective, and a small array on every device.
+  multihost_utils.sync_global_devices("started")
+  jax.block_until_ready(jax.device_put(np.zeros(8 * 1024, np.float32), NamedSharding(mesh, P())))
   before, read_before = resident_mib(), bytes_read()
   if way == "load_safetensors":
     loaded = zerojax.load_safetensors(path, tx, like)
+  elif way in HUGGINGFACE_WAYS:
+    like, keys = huggingface_like(args.mib)
+    loaded = zerojax.load_safetensors(directory / FILES[1], tx, like, keys=keys)
   elif way == "safe_open slices":
     from safetensors import safe_open
 
@@ -122,47 +170,65 @@ def run(command: list[str], **options) -> None:
     raise SystemExit(done.stdout[-2000:] + done.stderr[-4000:])
 
 
+def row(way: str, size: float, reports: list[dict]) -> dict[str, Any]:
+  """A row of the table: ``way`` of loading a file of ``size`` MiB, as each process reported it."""
+  each = lambda spec, value: " / ".join(format(value(r), spec) for r in reports)
+  return {
+    "way": way,
+    "file": size,
+    "held": each(".0f", lambda r: r["held"]),
+    "growth": each(".0f", lambda r: r["growth"]),
+    "per held": each(".2f", lambda r: r["growth"] / r["held"]),
+    "per file": each(".2f", lambda r: r["growth"] / size),
+    "read": each(".0f", lambda r: r["read"]),
+  }
+
+
 def main() -> None:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the provenance names the CPU the jobs ran on
+  import report
+
+  clock = report.Clock()
   root = Path(__file__).resolve().parent.parent
   env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
   script = [str(Path(__file__).resolve()), "--mib", str(args.mib)]
+  rows = []
   with tempfile.TemporaryDirectory() as temporary:
     directory = Path(temporary)
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     run([sys.executable, *script, "--prepare", temporary], env={**env, "XLA_FLAGS": flags})
-    file_mib = (directory / "model.safetensors").stat().st_size / MIB
+    sizes = {name: (directory / name).stat().st_size / MIB for name in FILES}
     checkpoint_mib = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
-    checkpoint_mib = checkpoint_mib / MIB - file_mib
-    rows = []
-    for way in WAYS:
+    checkpoint_mib = checkpoint_mib / MIB - sum(sizes.values())
+    for way in (*WAYS, *HUGGINGFACE_WAYS):
       launch = [sys.executable, "-m", "zerojax_launch", "-n", "2", "--devices-per-process", "4"]
       run([*launch, *script, "--worker", temporary, "--way", way], env=env, cwd=root)
       reports = [json.loads((directory / f"{way}.p{p}.json").read_text()) for p in (0, 1)]
-      size = checkpoint_mib if way == "checkpoint restore" else file_mib
-      rows.append((way, size, reports))
-  table = [
-    "| way | file MiB | held by its devices MiB | peak RSS growth MiB | growth / file | MiB read |",
-    "|---|---:|---:|---:|---:|---:|",
-  ]
-  for way, size, reports in rows:
-    growth = " / ".join(f"{r['growth']:.0f}" for r in reports)
-    ratio = " / ".join(f"{r['growth'] / size:.2f}" for r in reports)
-    read = " / ".join(f"{r['read']:.0f}" for r in reports)
-    held = " / ".join(f"{r['held']:.0f}" for r in reports)
-    table.append(f"| {way} | {size:.0f} | {held} | {growth} | {ratio} | {read} |")
-  import jax
-
-  stamp = (
-    f"Measured {datetime.date.today()} with jax {jax.__version__} on {platform.machine()} "
-    f"Linux, {os.cpu_count()} CPUs (shared), 2 processes x 4 CPU devices: "
-    f"`python benchmarks/loading.py --mib {args.mib}`. Each column gives process 0 / process 1."
+      size = sizes[FILES[way in HUGGINGFACE_WAYS]]
+      size = checkpoint_mib if way == "checkpoint restore" else size
+      rows.append(row(way, size, reports))
+  columns = {
+    "way": ("way", "s"),
+    "file": ("file MiB", ".0f"),
+    "held": ("held by its devices MiB", "s"),
+    "growth": ("peak RSS growth MiB", "s"),
+    "per held": ("growth / held", "s"),
+    "per file": ("growth / file", "s"),
+    "read": ("MiB read", "s"),
+  }
+  section = "\n".join(
+    [
+      f"{report.provenance(8, clock)} 2 processes x 4 CPU devices; each column gives process 0 / "
+      "process 1. Made by:",
+      "",
+      *report.command("loading.py", ["--mib", str(args.mib), "--markdown", "docs/loading.md"]),
+      "",
+      report.table(rows, columns),
+    ]
   )
-  section = "\n".join([BEGIN, stamp, "", *table, END])
   print(section)
   if args.markdown:
-    page = Path(args.markdown).read_text()
-    start, end = page.index(BEGIN), page.index(END) + len(END)
-    Path(args.markdown).write_text(page[:start] + section + page[end:])
+    report.write_markdown(args.markdown, section, BEGIN, "Loading pretrained weights into shards")
 
 
 if __name__ == "__main__":
@@ -171,7 +237,7 @@ if __name__ == "__main__":
   parser.add_argument("--markdown", help="write the table into this page, between its markers")
   parser.add_argument("--prepare", type=Path, help=argparse.SUPPRESS)
   parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-  parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)
+  parser.add_argument("--way", choices=(*WAYS, *HUGGINGFACE_WAYS), help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.prepare:
     prepare(args.prepare, args.mib)

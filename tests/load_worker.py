@@ -6,6 +6,12 @@ processes, measuring this process's peak resident memory (``ru_maxrss``) above w
 before and the bytes it read (``rchar`` of ``/proc/self/io``); checks each of its shards
 against the file; then loads the stacked layers onto a (stage, data) mesh whose stages are the
 processes, recording which file tensors it read. Writes ``DIR/p<process>.json``.
+
+``... tests/load_worker.py DIR --floor AXIS_TYPE``: loads ``DIR/huggingface.safetensors``
+(``write_huggingface_model``, written by HuggingFace's own ``safetensors``) with ``keys`` that
+stack and transpose its layers, cast a bfloat16 tensor and pad, onto a mesh of that axis type;
+measures the growth of this process's peak resident memory over its baseline after imports,
+JAX's start and the processes' first collective; writes ``DIR/floor.p<process>.json``.
 """
 
 import json
@@ -14,13 +20,16 @@ import sys
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 import zerojax
+from tests.helpers import AXIS_TYPES
 from zerojax._src.checkpoint import tensor_files
 
 LAYERS = 4
@@ -52,6 +61,39 @@ def model_like() -> dict[str, jax.ShapeDtypeStruct]:
 
 
 KEYS = {"layers": [f"layers.{i}" for i in range(LAYERS)]}
+
+#: The HuggingFace-style model: 8 layers of 6 MiB, one 8 MiB embedding and one 4 MiB bfloat16 head.
+HUGGINGFACE_LAYERS, WIDTH, HIDDEN, VOCAB = 8, 2048, 768, 1021
+
+
+def write_huggingface_model(path: Path) -> None:
+  """A model as HuggingFace keeps it, written by its ``safetensors``: layers apart, ``Linear``
+  weights ``(out, in)``, a vocabulary of 1021 (prime: it pads at stage 3), a bfloat16 head."""
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: rng.standard_normal(shape, np.float32)
+  arrays = {
+    f"model.layers.{i}.mlp.up_proj.weight": normal(HIDDEN, WIDTH) for i in range(HUGGINGFACE_LAYERS)
+  }
+  arrays["model.embed_tokens.weight"] = normal(VOCAB, WIDTH)
+  arrays["lm_head.weight"] = normal(VOCAB, WIDTH).astype(ml_dtypes.bfloat16)
+  save_file(arrays, str(path))
+
+
+def huggingface_like() -> tuple[dict, dict]:
+  """The leaves of a scanned model in float32, ``(in, out)``, and the ``keys`` that read them."""
+  struct = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)
+  like = {
+    "layers": struct(HUGGINGFACE_LAYERS, WIDTH, HIDDEN),  # stacked and transposed
+    "embed": struct(VOCAB, WIDTH),
+    "head": struct(WIDTH, VOCAB),  # transposed, cast from bfloat16, padded to 1024 columns
+  }
+  layers = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(HUGGINGFACE_LAYERS)]
+  keys = {
+    "layers": zerojax.FileKey(layers, transpose=(1, 0)),
+    "embed": "model.embed_tokens.weight",
+    "head": zerojax.FileKey("lm_head.weight", transpose=(1, 0)),
+  }
+  return like, keys
 
 
 def resident_mib() -> float:
@@ -129,5 +171,41 @@ def main(directory: Path) -> None:
   (directory / f"p{jax.process_index()}.json").write_text(json.dumps(report))
 
 
+def floor(directory: Path, axis_type: str) -> None:
+  """Loads the HuggingFace-style model, measuring this process's peak memory over its baseline."""
+  zerojax.distributed.initialize(heartbeat_timeout=20, collective_timeout=60)
+  mesh = jax.make_mesh((8,), ("data",), (AXIS_TYPES[axis_type],))
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
+  like, keys = huggingface_like()
+  # JAX started: the processes' first collective (which loading runs, to check that every
+  # process loads the same model), and a small array on each device.
+  multihost_utils.sync_global_devices("started")
+  jax.block_until_ready(jax.device_put(np.zeros(8 * 1024, np.float32), NamedSharding(mesh, P())))
+  before = resident_mib()
+  params = zerojax.load_safetensors(directory / "huggingface.safetensors", tx, like, keys=keys)
+  jax.block_until_ready(params)
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  held = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
+
+  # Checked after measuring: HuggingFace's reader loads the whole file.
+  whole = load_file(str(directory / "huggingface.safetensors"))
+  expected = {
+    "layers": np.stack([whole[name].T for name in keys["layers"].key]),
+    "embed": whole["model.embed_tokens.weight"],
+    "head": whole["lm_head.weight"].T.astype(np.float32),
+  }
+  exact = True
+  for name, leaf in params.items():
+    padded = np.zeros(leaf.shape, np.float32)
+    padded[tuple(slice(0, n) for n in expected[name].shape)] = expected[name]
+    for shard in leaf.value.addressable_shards:
+      exact &= np.array_equal(np.asarray(shard.data), padded[shard.index])
+  report = {"growth_mib": peak - before, "held_mib": held / 2**20, "exact": bool(exact)}
+  (directory / f"floor.p{jax.process_index()}.json").write_text(json.dumps(report))
+
+
 if __name__ == "__main__":
-  main(Path(sys.argv[1]))
+  if "--floor" in sys.argv:
+    floor(Path(sys.argv[1]), sys.argv[sys.argv.index("--floor") + 1])
+  else:
+    main(Path(sys.argv[1]))

@@ -4,7 +4,9 @@ Each array is assembled from the shards this process's devices hold (the
 regions ``jax.make_array_from_callback`` would ask it for): they are read from
 disk a piece at a time (``tensor_files``), cast, zero-filled where the stored
 layout pads, and put on their devices one by one; so no process ever holds a
-whole leaf it does not store whole (stage 3), let alone the whole model.
+whole leaf it does not store whole (stage 3), let alone the whole model. On
+CPU each shard becomes its device's buffer as it is: a process holds its
+shards once, and one piece more.
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ class _Source(NamedTuple):
       shape = tuple(shape[axis] for axis in self.transpose)
     return (len(self.tensors), *shape) if self.stacked else shape
 
+  @property
+  def file_order(self) -> tuple[int, ...]:
+    """The leaf's axes in the order the files lay them out, from the slowest-varying: the layers,
+    then each tensor's axes, which a transpose reorders in the leaf."""
+    axes = range(len(self.tensors[0].shape))
+    if self.transpose is not None:
+      axes = sorted(axes, key=self.transpose.__getitem__)
+    return (0, *(axis + 1 for axis in axes)) if self.stacked else tuple(axes)
+
   def tensor_at(self, index: tuple[int, ...]) -> tensor_files.FileTensor:
     """The tensor the leaf's element at ``index`` is read from."""
     return self.tensors[index[0] if self.stacked else 0]
@@ -81,11 +92,13 @@ class _Source(NamedTuple):
     if not self.stacked:
       return self._read_one(self.tensors[0], region)
     layers = range(*region[0].indices(len(self.tensors)))
-    parts = [self._read_one(self.tensors[i], region[1:]) for i in layers]
-    if parts:
-      return np.stack(parts)
-    empty = [len(range(*s.indices(n))) for s, n in zip(region, self.shape, strict=True)]
-    return np.empty(empty, self.tensors[0].dtype)
+    if len(layers) == 1:  # a piece of one layer: as it is read, not a second copy
+      return self._read_one(self.tensors[layers[0]], region[1:])[np.newaxis]
+    extent = [len(range(*s.indices(n))) for s, n in zip(region, self.shape, strict=True)]
+    values = np.empty(extent, self.tensors[0].dtype)
+    for i, layer in enumerate(layers):
+      values[i] = self._read_one(self.tensors[layer], region[1:])
+    return values
 
   def _read_one(self, tensor: tensor_files.FileTensor, region: tuple[slice, ...]) -> np.ndarray:
     if self.transpose is None:
@@ -248,19 +261,21 @@ def _place(
 
   Shards that tile a box (adjacent shards, replicas) are filled in one pass
   over it, a piece at a time; shards of the padded region beyond the logical
-  leaf stay zeros. Each is then put on its devices and dropped from host
-  memory before the next.
+  leaf stay zeros. Each becomes its first device's buffer (on CPU, where the
+  runtime takes an aligned host array as it is, not a copy) and is copied
+  from there to the other devices that hold it.
   """
   shape = stored.stored_shape
   devices = {
     device: _bounds(index, shape)
     for device, index in sharding.addressable_devices_indices_map(shape).items()
   }
-  shards = {region: np.zeros(_extent(region), stored.dtype) for region in devices.values()}
+  shards = {region: _aligned_zeros(_extent(region), stored.dtype) for region in devices.values()}
   box = _tiled_box(set(shards))
   itemsize = max(stored.dtype.itemsize, dtype.itemsize, source.tensors[0].dtype.itemsize)
   for cover in [box] if box is not None else list(shards):
-    for piece in _pieces(_clipped(cover, stored.shape), PIECE_BYTES // itemsize):
+    pieces = _pieces(_clipped(cover, stored.shape), PIECE_BYTES // itemsize, source.file_order)
+    for piece in pieces:
       values = source.read(tuple(slice(a, b) for a, b in piece))
       for cast_to, held_by in ((dtype, _LIKE), (stored.dtype, _STORED)):
         cast = _cast(values, cast_to)
@@ -270,13 +285,30 @@ def _place(
         values = cast
       for region, shard in shards.items():
         _copy_overlap(values, piece, shard, region)
-  arrays, left = [], collections.Counter(devices.values())
+  arrays, placed = [], {}
   for device, region in devices.items():
-    arrays.append(jax.device_put(shards[region], device))
-    left[region] -= 1
-    if not left[region]:
-      del shards[region]  # on its last device: not held twice
+    if region in placed:  # a replica: its own copy, never the same memory as another device's
+      arrays.append(jax.device_put(placed[region], device))
+      continue
+    # Handed over and dropped here: on CPU the device keeps this memory as its buffer, where a
+    # copy would hold the shard twice until the runtime frees the host array (when it next
+    # collects the references its threads dropped: not before the leaf's other shards are made).
+    placed[region] = jax.device_put(shards.pop(region), device, may_alias=True)
+    arrays.append(placed[region])
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+#: XLA's CPU runtime takes a host array as a device's buffer, without copying it, if its data
+#: starts at a multiple of this many bytes (numpy's start 16 bytes into a page).
+_ALIGNMENT = 64
+
+
+def _aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+  """``np.zeros(shape, dtype)`` whose data starts at a multiple of ``_ALIGNMENT`` bytes."""
+  size = math.prod(shape) * dtype.itemsize
+  memory = np.zeros(size + _ALIGNMENT, np.uint8)  # zero pages: untouched until written
+  start = -memory.ctypes.data % _ALIGNMENT
+  return memory[start : start + size].view(dtype).reshape(shape)
 
 
 Bounds = tuple[tuple[int, int], ...]
@@ -368,7 +400,19 @@ def _clipped(bounds: Bounds, shape: tuple[int, ...]) -> Bounds:
   return tuple((min(a, n), min(b, n)) for (a, b), n in zip(bounds, shape, strict=True))
 
 
-def _pieces(box: Bounds, elements: int) -> Iterator[Bounds]:
+def _pieces(box: Bounds, elements: int, order: Sequence[int]) -> Iterator[Bounds]:
+  """``box`` cut into boxes of at most ``elements`` (or one row of the last axis in ``order``).
+
+  Cut across the axes in ``order`` (the files' layout of the leaf's axes), the first first, so a
+  piece of a transposed leaf is rows of its tensor, each row's part one span of the file, and not
+  a few columns of every row.
+  """
+  inverse = np.argsort(order)
+  for piece in _pieces_in_order(tuple(box[axis] for axis in order), elements):
+    yield tuple(piece[axis] for axis in inverse)
+
+
+def _pieces_in_order(box: Bounds, elements: int) -> Iterator[Bounds]:
   """``box`` cut into boxes of at most ``elements`` (or one row of its last dimension)."""
   sizes = _extent(box)
   if not box:
