@@ -9,6 +9,7 @@ import json
 import pathlib
 import re
 import tempfile
+import types as types_lib
 import warnings
 
 import flax.linen
@@ -583,10 +584,15 @@ def pipeline_loss_fn_that_sums(types):
   _pipelined(mesh, _staged(mesh), jnp.ones((8, 16)), microbatches=2, loss_fn=head)
 
 
-def pipeline_stage_fn_closing_over_a_key(types):
+def pipeline_stage_fn_reading_a_key_from_an_object(types):
+  # A key in a variable of the loss reaches the stages; one in an object's attribute cannot.
   # Explicit axes whatever ``types``: on Auto axes JAX lets a shard_map close over it.
   mesh = _stage_mesh(AxisType.Explicit)
-  dropout = lambda key: lambda w, h: _stage(w, h) * jax.random.bernoulli(key, 0.5, h.shape)
+
+  def dropout(key):
+    holder = types_lib.SimpleNamespace(key=key)
+    return lambda w, h: _stage(w, h) * jax.random.bernoulli(holder.key, 0.5, h.shape)
+
   with jax.set_mesh(mesh):
     w, x = _staged(mesh), jnp.ones((8, 16))
     jax.jit(lambda w, x, key: zerojax.pipeline(dropout(key), w, x, microbatches=2))(
@@ -866,7 +872,7 @@ CASES = {
     pipeline_loss_fn_that_sums
   ),
   "zerojax.pipeline: stage_fn or loss_fn closes over an array from outside the pipeline": (
-    pipeline_stage_fn_closing_over_a_key
+    pipeline_stage_fn_reading_a_key_from_an_object
   ),
   "stage_fn returned (float32[4, 16], None) for a micro-batch of float32[4, 16] ... Return the "
   "activations alone": stage_returns_a_scan_body_s_pair,

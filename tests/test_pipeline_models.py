@@ -665,3 +665,86 @@ def test_interleaved_timetable_runs_every_chunk_in_order_with_a_smaller_bubble(
   )
   np.testing.assert_array_equal(one.forward, plain.forward)
   np.testing.assert_array_equal(one.backward, plain.backward)
+
+
+def closing_loss(schedule: str | None, **options):
+  """The loss of a model whose stages and head close over values the loss made.
+
+  A boolean mask (lower-triangular: each feature mixes only the features before it), an
+  integer table (the features' order reversed), a random key (one dropout mask for every
+  layer) and a float scalar computed from a parameter (so its gradient flows through the
+  closures); none of them is passed to the pipeline.
+  ``schedule=None`` scans the layers on one device.
+  """
+
+  def loss(params, x, labels):
+    embed = zerojax.gather(params["embed"])
+    mask = jnp.tril(jnp.ones((WIDTH, WIDTH), bool))
+    order = jnp.arange(WIDTH, dtype=jnp.int32)[::-1]
+    scale = 1 + jnp.tanh(jnp.mean(embed))
+    key = jax.random.key(5)
+
+    def layer(h, w):
+      mixed = (h @ jnp.where(mask, w["w"], 0.0))[:, order]
+      keep = jax.random.bernoulli(key, KEEP, (WIDTH,))
+      return h + jnp.where(keep, jax.nn.silu(mixed * scale + w["b"]), 0.0), None
+
+    head = lambda head, h, labels: head_loss(head, h * scale, labels)
+    stage = lambda layers, h: zerojax.scan(layer, h, layers)[0]
+    h = x @ embed
+    if schedule is None:
+      return head(params["head"], jax.lax.scan(layer, h, params["layers"])[0], labels)
+    if schedule == "gpipe":
+      return head(params["head"], zerojax.pipeline(stage, params["layers"], h, **options), labels)
+    return zerojax.pipeline(
+      stage,
+      params["layers"],
+      h,
+      schedule=schedule,
+      loss_fn=head,
+      loss_params=params["head"],
+      targets=(labels,),
+      **options,
+    )
+
+  return loss
+
+
+@pytest.mark.parametrize(
+  "kind, stage, schedule, path",
+  [
+    (EXPLICIT, 3, "gpipe", "explicit"),
+    (AUTO, 2, "gpipe", "explicit"),
+    (EXPLICIT, 2, "1f1b", "explicit"),
+    (AUTO, 3, "1f1b", "explicit"),
+    (EXPLICIT, 3, "interleaved", "explicit"),
+    (AUTO, 1, "interleaved", "explicit"),
+    (EXPLICIT, 1, "1f1b", "drop-in"),
+    (AUTO, 2, "gpipe", "drop-in"),
+  ],
+)
+def test_stages_and_head_closing_over_the_loss_s_values_match_one_device(
+  kind, stage, schedule, path
+):
+  # docs/pipeline.md: stage_fn and loss_fn may close over masks, tables and scalars the loss
+  # computed; they reach the stages as operands, and a float one gets its gradient from every
+  # micro-batch and stage.
+  mesh = make_mesh((2, 4), kind)
+  tx = STAGES[stage](optax.sgd(0.1), mesh=mesh, min_shard_size=256)
+  chunks = 2 if schedule == "interleaved" else 1
+  options = dict(microbatches=2, virtual_stages=chunks if chunks > 1 else None)
+  loss = closing_loss(schedule, **options)
+  with jax.set_mesh(mesh):
+    params = tx.shard(placed(mesh, virtual_stages=chunks))
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+    if path == "explicit":
+      value, grads = jax.jit(zerojax.value_and_grad(loss, tx))(params, *batch)
+      grads = tx.gather(grads)
+    else:
+      drop_in = jax.value_and_grad(lambda p, *b: loss(tx.unpad(p), *b))
+      value, grads = jax.jit(drop_in)(params, *batch)
+  grads = unstaged(grads, virtual_stages=chunks)
+  one = jax.device_put((make_params(), make_batch()), jax.devices()[0])
+  want_value, want = jax.jit(jax.value_and_grad(closing_loss(None)))(one[0], *one[1])
+  assert float(value) == pytest.approx(float(want_value), rel=1e-5)
+  chex.assert_trees_all_close(grads, want, **ROUNDING)

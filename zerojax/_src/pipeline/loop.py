@@ -49,6 +49,7 @@ from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src.pipeline import closures
 from zerojax._src.pipeline import stage as pipeline_stage
 from zerojax._src.pipeline.stage import Config, Parts, is_shard, reduces_once
 from zerojax._src.pipeline.timetable import check_schedule, check_virtual_stages
@@ -103,6 +104,12 @@ def pipeline(
   ``jax.lax.axis_index("data")``, or pass one key per device as a batch
   argument). The activations may also carry integer leaves (keys, positions)
   from stage to stage: only their inexact leaves are differentiated.
+
+  ``stage_fn`` and ``loss_fn`` may close over values the enclosing function
+  computed (a causal mask, rotary tables, a key, a scalar computed from a
+  parameter): they reach the stages as operands, replicated over the stage
+  axis, and the floating-point ones are differentiated (``closures.py``). One
+  held in an object's attribute is not reached: read it into a variable first.
 
   Args:
     stage_fn: one stage's computation, ``stage_fn(params, h) -> h``, or
@@ -175,24 +182,68 @@ def pipeline(
   )
   if loss_fn is not None:
     _warn_if_summed(loss_fn, loss_params, x, targets, microbatches)
+  config, closed = _closed_over(config, stage_params, loss_params, x, targets, key)
   try:
-    return _run(config, stage_params, loss_params, x, targets, key)
+    return _run(config, stage_params, loss_params, x, targets, key, closed)
   except (NotImplementedError, ValueError) as error:
     if not any(sign in str(error) for sign in _CLOSED_OVER):
       raise
     raise ValueError(
       "zerojax.pipeline: stage_fn or loss_fn closes over an array from outside the pipeline "
-      "(a random key, say), which JAX cannot hand to the stages' shard_map on Explicit axes "
-      f"({str(error).splitlines()[0]}). Pass random keys with key=... (stage_fn then "
-      "receives each micro-batch's and stage's own as a third argument), arrays the stages "
-      "read in stage_params, and the head's in loss_params."
+      "that zerojax could not hand to the stages, so it reached the stages' shard_map "
+      f"as a value of another mesh ({str(error).splitlines()[0]}). zerojax hands over the "
+      "arrays a function reads through its closure (variables of the enclosing function, "
+      "directly or in a tuple, list or dict, and the functions it calls that close over "
+      "them), but not one held in an object's attribute. Read it into a variable first "
+      "(key = holder.key), or pass it: "
+      "random keys with key=..., arrays the stages read in stage_params, the head's in "
+      "loss_params."
     ) from error
 
 
-#: What JAX says when a function inside a ``shard_map`` closes over an array typed on
-#: Explicit axes: the ``shard_map`` refuses it, or the first operation on it finds that its
-#: mesh is not the one inside (where the stage axis is manual).
-_CLOSED_OVER = ("Closing over inputs to shard_map", "should match the aval mesh")
+#: What JAX says when a function inside a ``shard_map`` closes over an array ``closures``
+#: could not hand over: the ``shard_map`` refuses it (Explicit axes), or an operation on it
+#: finds that its mesh is not the one inside (where the stage axis is manual).
+_CLOSED_OVER = (
+  "Closing over inputs to shard_map",
+  "should match the aval mesh",
+  "should match the mesh of sharding",
+)
+
+
+def _closed_over(
+  config: Config, stage_params, loss_params, x, targets, key
+) -> tuple[Config, tuple[list[Any], list[Any]]]:
+  """``config`` with ``stage_fn`` and ``loss_fn`` as ``closures.Closure`` s, and the tracers
+  each closes over.
+
+  Each is traced at one micro-batch's types, with one stage's (one chunk's)
+  parameters as the stage receives them (``closures.close``).
+  """
+  chunks, reduce = config.virtual_stages or 1, config.reduce
+  batch = batch_mean.resized(x, 1, config.microbatches)
+
+  def sliced(a):  # one chunk of one stage: the leading stage axis dropped
+    kind = jax.typeof(a)
+    spec = tuple(getattr(kind.sharding, "spec", None) or ())[1:]
+    shape = (kind.shape[1] // chunks, *kind.shape[2:]) if chunks > 1 else kind.shape[1:]
+    return kind.update(shape=shape, sharding=kind.sharding.update(spec=P(*spec)))
+
+  def view(tree):  # the types the function receives (ShapedArrays: their manual axes too)
+    received = lambda t: pipeline_stage.received(t, reduce)
+    jaxpr, shape = jax.make_jaxpr(received, return_shape=True)(tree)
+    return jax.tree.unflatten(jax.tree.structure(shape), jaxpr.out_avals)
+
+  keys = () if key is None else (jax.tree.map(jax.typeof, key),)
+  stage_fn, stage_closed = closures.close(
+    config.stage_fn, (view(jax.tree.map(sliced, stage_params)), batch, *keys)
+  )
+  if config.loss_fn is None:
+    return config._replace(stage_fn=stage_fn), (list(stage_closed), [])
+  targets = batch_mean.resized(targets, 1, config.microbatches)
+  loss_fn, loss_closed = closures.close(config.loss_fn, (view(loss_params), batch, *targets))
+  closed = (list(stage_closed), list(loss_closed))
+  return config._replace(stage_fn=stage_fn, loss_fn=loss_fn), closed
 
 
 def _warn_if_summed(loss_fn, loss_params, x, targets, microbatches: int) -> None:
@@ -218,7 +269,7 @@ def _warn_if_summed(loss_fn, loss_params, x, targets, microbatches: int) -> None
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _run(config: Config, stage_params, loss_params, x, targets, key):
+def _run(config: Config, stage_params, loss_params, x, targets, key, closed):
   """The pipeline, as one program even where its caller runs op by op.
 
   ``zerojax.value_and_grad`` called outside ``jax.jit`` runs its
@@ -226,12 +277,12 @@ def _run(config: Config, stage_params, loss_params, x, targets, key):
   eager one (the inner one's arguments arrive with a leading axis of size 1
   that it maps to the outer axes). Under ``jax.jit`` this is inlined.
   """
-  stage_params, loss_params, x, targets, key = _placed(
-    config, stage_params, loss_params, x, targets, key
+  stage_params, loss_params, x, targets, key, closed = _placed(
+    config, stage_params, loss_params, x, targets, key, closed
   )
   if config.loss_fn is None:
-    return _activations(config, stage_params, x, key)
-  return _loss(config, stage_params, loss_params, x, targets, key)
+    return _activations(config, stage_params, x, key, closed)
+  return _loss(config, stage_params, loss_params, x, targets, key, closed)
 
 
 def _kind(x: Any) -> str:
@@ -379,41 +430,43 @@ def _check_microbatches(microbatches: int, x: Any, targets: tuple[Any, ...]) -> 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loss(config: Config, weights, loss_params, x, targets, key):
-  return _fused(config, weights, loss_params, x, targets, key)[0]
+def _loss(config: Config, weights, loss_params, x, targets, key, closed):
+  return _fused(config, weights, loss_params, x, targets, key, closed)[0]
 
 
-def _loss_forward(config, weights, loss_params, x, targets, key):
-  loss, grads = _fused(config, weights, loss_params, x, targets, key)
-  return loss, (grads, _types((weights, loss_params, x)))
+def _loss_forward(config, weights, loss_params, x, targets, key, closed):
+  loss, grads = _fused(config, weights, loss_params, x, targets, key, closed)
+  return loss, (grads, _types((weights, loss_params, x, closed)))
 
 
 def _loss_backward(config, residuals, cotangent):
   # The pipeline ran the backward pass with a cotangent of 1 for the loss: the
   # gradients scale with the cotangent that arrives (1, or a loss scale).
   grads, types = residuals
-  gw, gl, dx = jax.tree.map(lambda g: (g * cotangent.astype(g.dtype)).astype(g.dtype), grads)
-  return (*_matched((gw, gl, config.parts.cotangent(dx)), types), None, None)
+  gw, gl, dx, gc = jax.tree.map(lambda g: (g * cotangent.astype(g.dtype)).astype(g.dtype), grads)
+  gw, gl, dx, gc = _matched((gw, gl, config.parts.cotangent(dx), gc), types)
+  return gw, gl, dx, None, None, gc
 
 
 _loss.defvjp(_loss_forward, _loss_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _activations(config: Config, weights, x, key):
-  return _forward_only(config, weights, x, key)[0]
+def _activations(config: Config, weights, x, key, closed):
+  return _forward_only(config, weights, x, key, closed)[0]
 
 
-def _activations_forward(config, weights, x, key):
-  y, saved = _forward_only(config, weights, x, key)
-  return y, (saved, weights, x, _types((weights, x)))
+def _activations_forward(config, weights, x, key, closed):
+  y, saved = _forward_only(config, weights, x, key, closed)
+  return y, (saved, weights, x, closed, _types((weights, x, closed)))
 
 
 def _activations_backward(config, residuals, dy):
   # Only the inexact leaves of the activations carry a cotangent (the rest: float0).
-  saved, weights, x, types = residuals
-  gw, dx = _backward_only(config, saved, weights, x, config.parts.diff(dy))
-  return (*_matched((gw, config.parts.cotangent(dx)), types), None)
+  saved, weights, x, closed, types = residuals
+  gw, dx, gc = _backward_only(config, saved, weights, x, config.parts.diff(dy), closed)
+  gw, dx, gc = _matched((gw, config.parts.cotangent(dx), gc), types)
+  return gw, dx, None, gc
 
 
 _activations.defvjp(_activations_forward, _activations_backward)
@@ -426,27 +479,30 @@ def _shard_map(config: Config, program: Callable[..., Any], in_specs: Any, out_s
   )
 
 
-def _fused(config: Config, weights, loss_params, x, targets, key):
+def _fused(config: Config, weights, loss_params, x, targets, key, closed):
   staged = P(config.axis_name)
   program = functools.partial(pipeline_stage.fused_program, config)
-  return _shard_map(config, program, (staged, P(), P(), P(), P()), (P(), (staged, P(), P())))(
-    weights, loss_params, x, targets, key
+  in_specs, out_specs = (staged, *[P()] * 5), (P(), (staged, P(), P(), P()))
+  return _shard_map(config, program, in_specs, out_specs)(
+    weights, loss_params, x, targets, key, closed
   )
 
 
-def _forward_only(config: Config, weights, x, key):
+def _forward_only(config: Config, weights, x, key, closed):
   found: list[Any] = []
   staged = P(config.axis_name)
   program = functools.partial(pipeline_stage.forward_program, config, found)
-  y, stored = _shard_map(config, program, (staged, P(), P()), (P(), staged))(weights, x, key)
+  y, stored = _shard_map(config, program, (staged, P(), P(), P()), (P(), staged))(
+    weights, x, key, closed
+  )
   return y, _Saved(stored, *found[0])
 
 
-def _backward_only(config: Config, saved, weights, x, dy):
+def _backward_only(config: Config, saved, weights, x, dy, closed):
   staged = P(config.axis_name)
   program = functools.partial(pipeline_stage.backward_program, config, saved.treedef, saved.where)
-  return _shard_map(config, program, (staged, staged, P(), P()), (staged, P()))(
-    saved.stored, weights, x, dy
+  return _shard_map(config, program, (staged, staged, P(), P(), P()), (staged, P(), P()))(
+    saved.stored, weights, x, dy, closed
   )
 
 
@@ -501,7 +557,7 @@ def _matched(cotangents: Any, types: _Types) -> Any:
   return jax.tree.map(match, cotangents, types.tree, is_leaf=lambda x: x is None)
 
 
-def _placed(config: Config, weights, loss_params, x, targets, key) -> tuple[Any, ...]:
+def _placed(config: Config, weights, loss_params, x, targets, key, closed) -> tuple[Any, ...]:
   """The arguments typed as the stage ``shard_map`` takes them (explicit stage axes only).
 
   The stage parameters are placed on the stage axis along their leading
@@ -511,7 +567,7 @@ def _placed(config: Config, weights, loss_params, x, targets, key) -> tuple[Any,
   """
   mesh, axis = config.mesh, config.axis_name
   if mesh.axis_types[mesh.axis_names.index(axis)] != AxisType.Explicit:
-    return weights, loss_params, x, targets, key
+    return weights, loss_params, x, targets, key, closed
 
   def place(leaf, staged):
     entries = [_without(e, axis) for e in (*jax.typeof(leaf).sharding.spec, *[None] * leaf.ndim)]
@@ -522,7 +578,10 @@ def _placed(config: Config, weights, loss_params, x, targets, key) -> tuple[Any,
 
   return (
     jax.tree.map(lambda a: place(a, True), weights),
-    *(jax.tree.map(lambda a: place(a, False), tree) for tree in (loss_params, x, targets, key)),
+    *(
+      jax.tree.map(lambda a: place(a, False), tree)
+      for tree in (loss_params, x, targets, key, closed)
+    ),
   )
 
 

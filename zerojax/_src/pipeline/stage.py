@@ -59,7 +59,11 @@ def reduces_once(reduce: str | None, splits_params: bool) -> bool:
 
 
 class Config(NamedTuple):
-  """What one pipeline is, as static (hashable) facts."""
+  """What one pipeline is, as static (hashable) facts.
+
+  ``stage_fn`` and ``loss_fn`` take, first, the operands that replace the
+  tracers they close over (``closures.Closure``).
+  """
 
   stage_fn: Callable[..., Any]
   loss_fn: Callable[..., jax.Array] | None
@@ -98,7 +102,14 @@ class Stage:
   left as given, except for opened weights (see ``opened``).
   """
 
-  def __init__(self, config: Config, weights: Any, loss_params: Any = None, key: Any = None):
+  def __init__(
+    self,
+    config: Config,
+    weights: Any,
+    loss_params: Any = None,
+    key: Any = None,
+    closed: tuple[Any, Any] = ((), ()),
+  ):
     self.config = config
     self.parts = config.parts
     self.key = key
@@ -111,6 +122,11 @@ class Stage:
     self.per_chunk = jax.tree.leaves(weights)[0].shape[0] // self.chunks
     self.weights = Params(weights, config.reduce, self.opened)
     self.loss_params = Params(jax.tree.map(self.own, loss_params), config.reduce, self.opened)
+    # What stage_fn and loss_fn close over: a float one differentiated like a parameter.
+    own = lambda c: self.own(c) if _inexact(c) else c
+    self.closed, self.loss_closed = (
+      Params(jax.tree.map(own, list(c)), config.reduce, self.opened) for c in closed
+    )
 
   def own(self, x: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
     """``x`` typed as varying over the stage axis and ``axes`` (the same value)."""
@@ -118,11 +134,11 @@ class Stage:
     missing = tuple(a for a in (self.config.axis_name, *axes) if a not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
-  def call(self, params: Any, h: Any, m: Any, k: Any) -> Any:
+  def call(self, closed: list[Any], params: Any, h: Any, m: Any, k: Any) -> Any:
     """``stage_fn`` on micro-batch ``m``, chunk ``k``: with its key, if the pipeline has one."""
     if self.key is None:
-      return self.config.stage_fn(params, h)
-    return self.config.stage_fn(params, h, self.key_for(m, k))
+      return self.config.stage_fn(closed, params, h)
+    return self.config.stage_fn(closed, params, h, self.key_for(m, k))
 
   def key_for(self, m: Any, k: Any) -> Any:
     """The key of micro-batch ``m`` in chunk ``k`` of this stage: ``key`` folded with ``m``,
@@ -158,12 +174,17 @@ class Stage:
     return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:]), tree)
 
   def consts(self, x: Any, targets: tuple[Any, ...] = ()) -> dict[str, Any]:
-    """What every slot reads: both parts of the parameters, micro-batches of ``x`` and targets."""
+    """What every slot reads: both parts of the parameters and of what the functions close
+    over (``c*`` stage_fn's, ``lc*`` loss_fn's), micro-batches of ``x`` and targets."""
     return {
       "wd": self.weights.diff,
       "wf": self.weights.fixed,
       "ld": self.loss_params.diff,
       "lf": self.loss_params.fixed,
+      "cd": self.closed.diff,
+      "cf": self.closed.fixed,
+      "lcd": self.loss_closed.diff,
+      "lcf": self.loss_closed.fixed,
       "xs": self.split(x),
       "ts": self.split(targets),
     }
@@ -188,12 +209,16 @@ class Stage:
     stage that has it (the last stage's loss, the first stage's input
     gradient), now on every stage.
     """
+    return self.summed(jax.tree.map(lambda v: jnp.where(where, v, jnp.zeros_like(v)), tree))
 
-    def mine(v):  # summed in float32 or wider: XLA:CPU fails to compile a bfloat16 psum here
-      wide = jnp.where(where, v, jnp.zeros_like(v)).astype(jnp.promote_types(v.dtype, jnp.float32))
+  def summed(self, tree: Any) -> Any:
+    """``tree`` summed over the stages (the gradient of what every stage reads)."""
+
+    def total(v):  # summed in float32 or wider: XLA:CPU fails to compile a bfloat16 psum here
+      wide = v.astype(jnp.promote_types(v.dtype, jnp.float32))
       return jax.lax.psum(wide, self.config.axis_name).astype(v.dtype)
 
-    return jax.tree.map(mine, tree)
+    return jax.tree.map(total, tree)
 
   def shift(self, tree: Any, direction: int) -> Any:
     """``tree`` from each stage to the next (``direction=1``) or the previous one (``-1``).
@@ -301,6 +326,12 @@ class Params:
     return jax.tree.unflatten(self.treedef, [next(grads) if t else None for t in self.trained])
 
 
+def received(tree: Any, reduce: str | None) -> Any:
+  """``tree`` as the user's function receives it: opened, if reduced once per step."""
+  params = Params(tree, reduce, lambda a: a)
+  return params.join(params.diff, params.fixed)
+
+
 def _trained(leaf: Any) -> bool:
   return is_shard(leaf) or jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
 
@@ -375,7 +406,8 @@ def _known(stage: Stage, consts, k) -> list[Any]:
   when the pullback is rebuilt.
   """
   chunk = stage.chunk_of((consts["wd"], consts["wf"]), k)
-  return jax.tree.leaves((consts["wd"], consts["wf"], consts["ld"], consts["lf"], chunk))
+  shared = [consts[name] for name in ("wd", "wf", "ld", "lf", "cd", "cf", "lcd", "lcf")]
+  return jax.tree.leaves((*shared, chunk))
 
 
 class Parts(NamedTuple):
@@ -420,16 +452,18 @@ def _inexact(x: Any) -> bool:
 def _forward(stage: Stage, consts, h, m, k) -> tuple[Any, Residuals]:
   """Micro-batch ``m`` through chunk ``k`` of the stage: its output and its VJP.
 
-  The VJP is of the chunk's weights and the inexact leaves of the activations.
+  The VJP is of the chunk's weights, the inexact leaves of the activations and
+  the float values ``stage_fn`` closes over.
   """
   wd, wf = stage.chunk_of((consts["wd"], consts["wf"]), k)
   parts = stage.parts
 
-  def apply(diff, hd):
-    out = stage.call(stage.weights.join(diff, wf), parts.join(hd, h), m, k)
+  def apply(diff, hd, cd):
+    closed = stage.closed.join(cd, consts["cf"])
+    out = stage.call(closed, stage.weights.join(diff, wf), parts.join(hd, h), m, k)
     return parts.diff(out), out
 
-  _, pullback, h_out = jax.vjp(apply, wd, parts.diff(h), has_aux=True)
+  _, pullback, h_out = jax.vjp(apply, wd, parts.diff(h), consts["cd"], has_aux=True)
   return h_out, Residuals.of(pullback, _known(stage, consts, k))
 
 
@@ -564,14 +598,16 @@ def _input(stage: Stage, state, consts, slot: Slot):
   return jax.tree.map(lambda x, a: jnp.where(first, x, a), _at(consts["xs"], slot.m), state["act"])
 
 
-def fused_program(config: Config, weights, loss_params, x, targets, key):
-  """The whole step on one stage: ``(loss, (weights', loss_params', x's gradients))``.
+def fused_program(config: Config, weights, loss_params, x, targets, key, closed):
+  """The whole step on one stage: ``(loss, (weights', loss_params', x's, closed's gradients))``.
 
   The last stage computes each micro-batch's loss, and its gradient, in the
   micro-batch's forward slot; backward slots then run as the schedule says.
-  ``x``'s gradients are those of its inexact leaves, in order.
+  ``x``'s gradients are those of its inexact leaves, in order; ``closed`` is
+  what ``stage_fn`` and ``loss_fn`` close over (``None`` for what is not
+  differentiated).
   """
-  stage = Stage(config, weights, loss_params, key)
+  stage = Stage(config, weights, loss_params, key, closed)
   table = config.timetable(backward=True)
   slots = table.in_flight
   loss_fn = config.loss_fn
@@ -588,6 +624,8 @@ def fused_program(config: Config, weights, loss_params, x, targets, key):
     "dxs": [stage.zeros(x) for x in parts.diff(consts["xs"])],
     "gw": stage.weights.accumulators(stage.zeros),
     "gl": stage.loss_params.accumulators(stage.zeros),
+    "gc": stage.closed.accumulators(stage.zeros),
+    "glc": stage.loss_closed.accumulators(stage.zeros),
   }
   state["sent_act"], state["sent_cot"] = state["act"], state["cot"]
 
@@ -599,19 +637,21 @@ def fused_program(config: Config, weights, loss_params, x, targets, key):
     state["stored"] = _masked(active, state["stored"], stored, slot.entry)
     targets = _at(consts["ts"], m)
 
-    def head(diff, hd):  # this micro-batch's share of the mean over micro-batches
+    def head(diff, hd, cd):  # this micro-batch's share of the mean over micro-batches
       h = parts.join(hd, h_out)
-      loss = loss_fn(stage.loss_params.join(diff, consts["lf"]), h, *targets)
+      closed = stage.loss_closed.join(cd, consts["lcf"])
+      loss = loss_fn(closed, stage.loss_params.join(diff, consts["lf"]), h, *targets)
       return loss / config.microbatches, loss
 
-    (_, loss), (dl, dh) = jax.value_and_grad(head, argnums=(0, 1), has_aux=True)(
-      consts["ld"], parts.diff(h_out)
+    (_, loss), (dl, dh, dc) = jax.value_and_grad(head, argnums=(0, 1, 2), has_aux=True)(
+      consts["ld"], parts.diff(h_out), consts["lcd"]
     )
     # Every stage computes the loss; the last (virtual) stage's counts.
     mine = active & stage.last_chunk(slot.chunk)
     state["losses"] = _masked(mine, state["losses"], loss.astype(jnp.float32), m)
     state["dys"] = _masked(mine, state["dys"], dh, slot.entry)
     state["gl"] = _added(mine, state["gl"], dl)
+    state["glc"] = _added(mine, state["glc"], dc)
     return state
 
   backward_slot = _backward_slot(
@@ -620,13 +660,17 @@ def fused_program(config: Config, weights, loss_params, x, targets, key):
   state = _ticks(stage, table, consts, state, forward_slot, backward_slot)
   loss = stage.only(stage.last, jnp.mean(state["losses"]))
   gl = stage.only(stage.last, stage.loss_params.finish(state["gl"]))
+  closed = (
+    stage.summed(stage.closed.finish(state["gc"])),
+    stage.only(stage.last, stage.loss_closed.finish(state["glc"])),
+  )
   gw, dx = _gradients(stage, state)
-  return loss, (gw, gl, dx)
+  return loss, (gw, gl, dx, closed)
 
 
-def forward_program(config: Config, found: list[Any], weights, x, key):
+def forward_program(config: Config, found: list[Any], weights, x, key, closed):
   """GPipe's first half: ``(last stage's output, stored residuals)``; their form to ``found``."""
-  stage = Stage(config, weights, key=key)
+  stage = Stage(config, weights, key=key, closed=closed)
   slots = config.microbatches
   consts = stage.consts(x)
   form = Form.of(stage, consts)
@@ -651,12 +695,12 @@ def forward_program(config: Config, found: list[Any], weights, x, key):
   return y, [r[None] for r in state["stored"]]
 
 
-def backward_program(config: Config, treedef, where, stored, weights, x, dy):
-  """GPipe's second half: ``(weights' gradient, x's gradient)`` from the stored residuals.
+def backward_program(config: Config, treedef, where, stored, weights, x, dy, closed):
+  """GPipe's second half: ``(weights', x's, closed's gradients)`` from the stored residuals.
 
   ``dy`` and ``x``'s gradient are those of the inexact leaves, in order.
   """
-  stage = Stage(config, weights)
+  stage = Stage(config, weights, closed=closed)
   full = config.timetable(backward=True)
   turn = config.microbatches + config.stages - 2  # the tick of the last forward pass
   table = Timetable(np.full_like(full.forward[turn:], -1), full.backward[turn:])
@@ -668,13 +712,16 @@ def backward_program(config: Config, treedef, where, stored, weights, x, dy):
     "stored": [stage.own(r[0]) for r in stored],
     "dxs": [stage.zeros(x) for x in stage.parts.diff(consts["xs"])],
     "gw": stage.weights.accumulators(stage.zeros),
+    "gc": stage.closed.accumulators(stage.zeros),
   }
   state["sent_cot"] = state["cot"]
 
   backward_slot = _backward_slot(
     stage, form, lambda state, slot: _at((state["stored"], dys), slot.m)
   )
-  return _gradients(stage, _ticks(stage, table, consts, state, None, backward_slot))
+  state = _ticks(stage, table, consts, state, None, backward_slot)
+  gw, dx = _gradients(stage, state)
+  return gw, dx, (stage.summed(stage.closed.finish(state["gc"])), [])
 
 
 def _backward_slot(stage: Stage, form: Form, saved: Callable[..., Any]) -> Callable[..., Any]:
@@ -690,8 +737,9 @@ def _backward_slot(stage: Stage, form: Form, saved: Callable[..., Any]) -> Calla
     stored, dys = saved(state, slot)
     last = stage.last_chunk(slot.chunk)
     cotangent = [jnp.where(last, d, c) for d, c in zip(dys, state["cot"], strict=True)]
-    dw, dh = form.pullback(stage, consts, stored, slot.chunk)(cotangent)
+    dw, dh, dc = form.pullback(stage, consts, stored, slot.chunk)(cotangent)
     state["gw"] = stage.added(active, state["gw"], dw, slot.chunk)
+    state["gc"] = _added(active, state["gc"], dc)
     state["dxs"] = _masked(active & (slot.chunk == 0), state["dxs"], dh, slot.m)
     state["sent_cot"] = dh
     return state
