@@ -66,8 +66,9 @@ MODELS = {
   # The ZeRO paper's 7.5B parameters, 2048 tokens per chip of a v5e 8 x 8.
   "7.5b": mlp.MlpConfig(layers=56, d=4096, hidden=16384, tokens=2048 * 64),
 }
-#: The ``--policy`` names: ``jax.checkpoint`` policies. "everything" is ``zerojax.scan``'s default
-#: (every value but the gathered weights, whatever the policy, is saved: nothing is recomputed).
+#: The ``--policy`` names: ``jax.checkpoint`` policies. "everything" saves every value but the
+#: gathered weights (whatever the policy, those are gathered again): nothing is recomputed;
+#: "nothing" is ``zerojax.scan``'s default.
 POLICIES = {
   "dots": jax.checkpoint_policies.dots_saveable,
   "dots without batch dims": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,

@@ -173,9 +173,11 @@ def make_loss(
       jax.checkpoint(step, policy=zerojax.remat_policy), h, layers
     )
 
+  # Every value but the gathered weights saved, as the "gather" stack's zerojax.remat_policy does.
+  scan = functools.partial(zerojax.scan, layer_step, policy="everything_saveable")
   run = {
-    "scan": lambda h, layers: zerojax.scan(layer_step, h, layers),
-    "scan, prefetch=0": lambda h, layers: zerojax.scan(layer_step, h, layers, prefetch=0),
+    "scan": lambda h, layers: scan(h, layers),
+    "scan, prefetch=0": lambda h, layers: scan(h, layers, prefetch=0),
     "gather": gathering(zerojax.gather),
   }[stack]
 

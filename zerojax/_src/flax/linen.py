@@ -146,8 +146,8 @@ def scan(
     length: the number of layers.
     prefetch: as for ``zerojax.scan``.
     policy: the ``jax.checkpoint`` policy of a layer, as for ``zerojax.scan``
-      (``jax.checkpoint_policies.dots_saveable``, say); by default every value
-      but the gathered weights is saved.
+      (``jax.checkpoint_policies.dots_saveable``, say); by default only the
+      layer's inputs are saved, the layer computed again in the backward pass.
     defer_reductions: as for ``zerojax.scan``.
 
   Returns:

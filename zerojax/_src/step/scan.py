@@ -85,19 +85,20 @@ def scan(
   around it in ``f`` (``jax.remat``, ``nn.remat``, ``nnx.remat``) keeps it,
   offloaded if that policy offloads it (``save_and_offload_only_these_names``),
   and for values under no checkpoint of ``f``'s, as ``policy`` says: by
-  default every intermediate value is saved and none recomputed;
-  ``jax.checkpoint_policies.dots_saveable`` saves only matmul outputs (the rest
-  is recomputed), ``nothing_saveable`` only the layer's inputs (the whole layer
-  is recomputed). Whatever the policies, the gathered weights are never saved,
-  nor anything computed from them alone (a cast or a transpose of a weight):
+  default only the layer's inputs are saved and the whole layer is recomputed
+  (what the backward pass of a big model must do to fit);
+  ``jax.checkpoint_policies.dots_saveable`` saves matmul outputs (the rest is
+  recomputed), ``everything_saveable`` every value (none recomputed).
+  Whatever the policies, the gathered weights are never saved, nor anything
+  computed from them alone (a cast or a transpose of a weight):
   the backward pass gathers the layer again, so a layer's weights are whole on
   a device only while it computes. ``f`` may close over values of the
   enclosing function (a causal mask, rotary tables, a key): every layer reads
   the same copy.
 
   Outside ``zerojax.value_and_grad`` (on full arrays, for evaluation) and at
-  stage 1 (no shards) it is ``jax.lax.scan``, of ``jax.checkpoint(f, policy=policy)``
-  if a policy is given.
+  stage 1 (no shards) it is ``jax.lax.scan`` of the layer checkpointed the
+  same way.
 
   Args:
     f: ``f(carry, x) -> (carry, y)``, as for ``jax.lax.scan``; ``x`` holds
@@ -109,9 +110,12 @@ def scan(
     policy: a ``jax.checkpoint`` policy (``jax.checkpoint_policies``) naming
       the values the backward pass reads from the forward pass, or the name
       of one (``"dots_saveable"``), for the values of ``f`` under no
-      ``jax.checkpoint`` of its own; ``None`` saves every one but the
-      weights. Refused for an ``f`` wholly under its own checkpoint, which
-      it would not change.
+      ``jax.checkpoint`` of its own. ``None`` (the default) saves none of
+      them, only the layer's inputs: the backward pass computes the layer
+      again, which big models need to fit (``"everything_saveable"`` saves
+      every one but the weights, as ``jax.lax.scan`` of ``f`` would). Refused
+      for an ``f`` wholly under its own checkpoint, which it would not
+      change.
     defer_reductions: with ``prefetch=1``, reduce-scatter each layer's
       gradient one iteration late; ``None`` (the default) does so on GPUs
       for quantized gradients or reductions across nodes, and with
@@ -154,8 +158,7 @@ def scan(
   leaves, treedef = jax.tree.flatten(xs, is_leaf=_is_shard)
   shards = [i for i, leaf in enumerate(leaves) if _is_shard(leaf)]
   if not shards:
-    body = f if policy is None else remat.checkpoint(f, policy)
-    return jax.lax.scan(body, init, xs, length)
+    return jax.lax.scan(remat.checkpoint(f, policy), init, xs, length)
   _check_layer_axis([leaves[i] for i in shards])
   if prefetch == 0:
     body = remat.checkpoint(lambda carry, x: f(carry, shards_lib.gather(x)), policy)
