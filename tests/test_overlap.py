@@ -345,3 +345,21 @@ def test_nothing_computed_from_the_weights_alone_is_saved_per_layer(prefetch, po
   grow = _temporaries_of_a_casting_stack(8, prefetch, policy)
   grow -= _temporaries_of_a_casting_stack(4, prefetch, policy)
   assert grow < 4 * 2**17, grow  # under a quarter of a bf16 weight per layer
+
+
+def test_bf16_reductions_fill_a_bf16_gradient_stack_with_the_same_numbers():
+  # Issue 54 item 6: reduced in bfloat16, the backward loop fills the stacked gradients
+  # in bfloat16 (half a float32 stack, as GSPMD FSDP keeps its own) and casts them to
+  # float32 after the loop; the cast widens, so the gradients are prefetch=0's.
+  precision = zerojax.Precision(params="float32", compute="bfloat16", reduce="bfloat16")
+  tx = transformation(3, precision=precision)
+  params, batch = tx.shard(make_params()), make_batch()
+  grad_fn = lambda prefetch: jax.jit(
+    zerojax.value_and_grad(functools.partial(loss_fn, prefetch=prefetch), tx)
+  )
+  text = grad_fn(1).lower(params, *batch).as_text()
+  for shape in ((LAYERS, D // 8, F), (LAYERS, F // 8, D)):  # w_in's and w_out's shards
+    assert f"tensor<{'x'.join(map(str, shape))}xbf16>" in text, shape
+  (_, prefetched), (_, serial) = grad_fn(1)(params, *batch), grad_fn(0)(params, *batch)
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(prefetched))
+  chex.assert_trees_all_close(prefetched, serial, **rounding("bf16"))

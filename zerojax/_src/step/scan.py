@@ -222,6 +222,21 @@ class _Stack(NamedTuple):
     leaves = [next(opened) if i in self.shards else next(rest) for i in range(self.size)]
     return jax.tree.unflatten(self.treedef, leaves)
 
+  def stored_dtypes(self, grads: list[Any]) -> list[Any]:
+    """The dtype each stacked gradient is kept in while the backward loop fills it.
+
+    The dtype its reduction returns where that is narrower than the gradient's
+    own (``grads``): unquantized reductions return the reduce dtype, so a
+    bfloat16 one round-trips through the gradient's float32 exactly; quantized
+    ones sum in float32 and keep ``grads``.
+    """
+    if self.group.gradients is not None:
+      return list(grads)
+    return [
+      transfer.reduce if jnp.dtype(transfer.reduce).itemsize < jnp.dtype(grad).itemsize else grad
+      for transfer, grad in zip(self.group.transfers, grads, strict=True)
+    ]
+
   @property
   def size(self) -> int:
     return self.treedef.num_leaves
@@ -422,7 +437,11 @@ def _backward_rule(body, stack: _Stack, residuals, cotangents):
   dcarry, dys = cotangents
   last = stack.length - 1
   targets = sinks if stack.reads else values
-  grads = [_zeros_like(t) for t in targets]
+  # The stacked gradients are kept, until the loop ends, in the dtype the reductions return
+  # (a bfloat16 reduce dtype: half a float32 stack), and cast to the gradients' dtype after it,
+  # as GSPMD FSDP keeps its bfloat16 ones. The cast widens, so the numbers are the same.
+  kept_in = stack.stored_dtypes([jnp.result_type(t) for t in targets])
+  grads = [_zeros_like(t, dtype) for t, dtype in zip(targets, kept_in, strict=True)]
   dothers = [_zeros_like(o) if _differentiable(o) else None for o in others]
   dconsts = [_zeros_like(c) if _differentiable(c) else None for c in consts]
 
@@ -442,7 +461,7 @@ def _backward_rule(body, stack: _Stack, residuals, cotangents):
     if not dweights:
       return grads
     return [
-      jax.lax.dynamic_update_index_in_dim(g, r, i, 0)
+      jax.lax.dynamic_update_index_in_dim(g, r.astype(g.dtype), i, 0)
       for g, r in zip(grads, stack.reduced(dweights), strict=True)
     ]
 
@@ -475,6 +494,7 @@ def _backward_rule(body, stack: _Stack, residuals, cotangents):
     first = jax.tree.map(lambda r: r[0], pullbacks)
     dcarry, pending, dconsts, dothers = layer_vjp(first, weights, 0, dcarry, dconsts, dothers)
   grads = store(grads, pending, 0)
+  grads = [g.astype(jnp.result_type(t)) for g, t in zip(grads, targets, strict=True)]
   dvalues = [None] * len(values) if stack.reads else grads
   dsinks = grads if stack.reads else []
   return dconsts, dcarry, dvalues, dsinks, dothers
@@ -487,8 +507,8 @@ def _differentiable(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _zeros_like(x: jax.Array) -> jax.Array:
-  """Zeros of ``x``'s shape, dtype and varying mesh axes (so a loop may carry them)."""
-  zeros = jnp.zeros(jnp.shape(x), jnp.result_type(x))
+def _zeros_like(x: jax.Array, dtype: Any = None) -> jax.Array:
+  """Zeros of ``x``'s shape, dtype (or ``dtype``) and varying mesh axes (so a loop may carry them)."""
+  zeros = jnp.zeros(jnp.shape(x), dtype or jnp.result_type(x))
   varying = tuple(jax.typeof(x).manual_axis_type.varying)
   return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
