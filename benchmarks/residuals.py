@@ -5,64 +5,131 @@ devices, bfloat16 compute. SETUP: ``zero3`` (``precision="bf16"``: float32 reduc
 ``zero3-p0`` (the same with ``prefetch=0``), ``zero3-bf16red`` (bfloat16 reductions),
 ``gspmd`` (``jax.lax.scan`` of the same layer on parameters annotated as zerojax stores
 them, each cast to bfloat16 at use, the residual stream constrained to the batch: GSPMD
-reduces the bfloat16 matmuls' gradients in bfloat16). VARIANT: ``plain`` (the layer as is:
-zerojax's default policy, GSPMD saves everything), ``full`` (``jax.checkpoint(layer)``),
-``dots``. ``--dump=DIR`` writes XLA's buffer assignment (read it with
+reduces the bfloat16 matmuls' gradients in bfloat16). VARIANT: ``plain`` (the layer as is,
+every value kept on both sides), ``full`` (``jax.checkpoint(layer)``), ``dots``. TOKENS: a
+device's tokens (2048). ``--dump=DIR`` writes XLA's buffer assignment (read it with
 ``benchmarks/buffers.py``'s ``read_dump``). On an ``h100x8`` target it prints XLA:GPU's
 estimate too.
 
   python benchmarks/residuals.py v5e-8 gspmd full --dump=/tmp/gspmd
   python benchmarks/residuals.py v5e-8 zero3 full --dump=/tmp/zero3
 """
-import os, sys, json
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
-dump = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--dump=")), None)
-target, setup, variant = args[:3]
-T = int(args[3]) if len(args) > 3 else 2048
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
 from zerojax.diagnostics import deviceless_environment
-if os.environ.get("_DEVICELESS") != "1":
-  flags = f"--xla_dump_to={dump} --xla_dump_hlo_as_text" if dump else ""
-  env = dict(os.environ, **deviceless_environment(target, scheduler_log=target.startswith("h100"), xla_flags=flags), _DEVICELESS="1")
-  os.execve(sys.executable, [sys.executable, *sys.argv], env)
-import jax, jax.numpy as jnp, optax, zerojax
-from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
-gpu = target.startswith("h100")
-auto = setup == "gspmd"
-mesh = zerojax.diagnostics.deviceless_mesh(target, (8,), ("data",), (AxisType.Auto,) if auto else None)
-precision = zerojax.Precision(params="float32", compute="bfloat16", reduce="bfloat16") if setup == "zero3-bf16red" else "bf16"
-tx = zerojax.zero3(optax.adamw(1e-3), mesh=mesh, precision=precision)
-L, D, F = 16, 2048, 8192
-abstract = {"w1": jax.ShapeDtypeStruct((L, D, F), jnp.float32), "b1": jax.ShapeDtypeStruct((L, F), jnp.float32),
-            "w2": jax.ShapeDtypeStruct((L, F, D), jnp.float32), "b2": jax.ShapeDtypeStruct((L, D), jnp.float32)}
-layer0 = lambda h, w: (h + jax.nn.gelu(h @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"], None)
-layer = {"plain": layer0, "full": jax.checkpoint(layer0), "dots": jax.checkpoint(layer0, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)}[variant]
-x = jax.ShapeDtypeStruct((8 * T, D), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-prefetch = 0 if setup == "zero3-p0" else 1
-if auto:
-  shardings = tx.param_shardings(abstract)
-  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P(*sh.layout.spec))), abstract, shardings)
-  act = NamedSharding(mesh, P("data"))
-  def glayer0(h, w):
-    h = jax.lax.with_sharding_constraint(h, act)
-    return layer0(h, jax.tree.map(lambda a: a.astype(jnp.bfloat16), w))
-  glayer = {"plain": glayer0, "full": jax.checkpoint(glayer0), "dots": jax.checkpoint(glayer0, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)}[variant]
-  def loss_fn(p, x):
-    h, _ = jax.lax.scan(glayer, x.astype(jnp.bfloat16), p)
-    return jnp.mean(h.astype(jnp.float32) ** 2)
-  fn = jax.value_and_grad(loss_fn)
-else:
-  params = jax.eval_shape(tx.shard, abstract)
-  def loss_fn(p, x):
-    h, _ = zerojax.scan(layer, x.astype(jnp.bfloat16), p, prefetch=prefetch)
-    return jnp.mean(h.astype(jnp.float32) ** 2)
-  fn = zerojax.value_and_grad(loss_fn, tx)
-with zerojax.diagnostics.capture_stderr() as log:
-  with jax.set_mesh(mesh):
-    out_shardings = (NamedSharding(mesh, P()), jax.tree.map(lambda s: s.sharding, params)) if auto else None
-    c = (jax.jit(fn, out_shardings=out_shardings) if auto else jax.jit(fn)).lower(params, x).compile()
-m = c.memory_analysis()
-out = {"target": target, "setup": setup, "variant": variant, "T": T, "temp_MiB": round(m.temp_size_in_bytes / 2**20, 1), "arg_MiB": round(m.argument_size_in_bytes / 2**20, 1), "out_MiB": round(m.output_size_in_bytes / 2**20, 1)}
-if gpu:
-  e = zerojax.diagnostics.scheduler_estimate(log[0], c)
-  out |= {"cycles": e.cycles, "wasted": e.wasted, "silent": list(e.silent)}
-print(json.dumps(out))
+
+LAYERS, D, HIDDEN = 16, 2048, 8192
+
+
+def arguments() -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("target", help="a deviceless target: v5e-8, h100x8, ...")
+  parser.add_argument("setup", choices=("zero3", "zero3-p0", "zero3-bf16red", "gspmd"))
+  parser.add_argument("variant", choices=("plain", "full", "dots"))
+  parser.add_argument("tokens", type=int, nargs="?", default=2048)
+  parser.add_argument("--dump", help="a directory for XLA's dumps (buffer assignment)")
+  return parser.parse_args()
+
+
+def main() -> None:
+  args = arguments()
+  if os.environ.get("_DEVICELESS") != "1":  # compile in a process of the target's environment
+    flags = f"--xla_dump_to={args.dump} --xla_dump_hlo_as_text" if args.dump else ""
+    gpu = args.target.startswith("h100")
+    target_env = deviceless_environment(args.target, scheduler_log=gpu, xla_flags=flags)
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **target_env})
+  print(json.dumps(measure(args)))
+
+
+def measure(args: argparse.Namespace) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import zerojax
+
+  gspmd = args.setup == "gspmd"
+  axis_types = (AxisType.Auto,) if gspmd else None
+  mesh = zerojax.diagnostics.deviceless_mesh(args.target, (8,), ("data",), axis_types)
+  precision = "bf16"
+  if args.setup == "zero3-bf16red":
+    precision = zerojax.Precision(params="float32", compute="bfloat16", reduce="bfloat16")
+  tx = zerojax.zero3(optax.adamw(1e-3), mesh=mesh, precision=precision)
+  shape = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
+  abstract = {
+    "w1": shape(LAYERS, D, HIDDEN),
+    "b1": shape(LAYERS, HIDDEN),
+    "w2": shape(LAYERS, HIDDEN, D),
+    "b2": shape(LAYERS, D),
+  }
+  batch = NamedSharding(mesh, P("data"))
+  x = jax.ShapeDtypeStruct((8 * args.tokens, D), jnp.float32, sharding=batch)
+
+  def layer(h, w):
+    return h + jax.nn.gelu(h @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"], None
+
+  def kept(f):
+    return {
+      "plain": f,
+      "full": jax.checkpoint(f),
+      "dots": jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    }[args.variant]
+
+  if gspmd:
+    spec = lambda plan: NamedSharding(mesh, P(*plan.layout.spec))
+    params = jax.tree.map(
+      lambda s, plan: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=spec(plan)),
+      abstract,
+      tx.param_shardings(abstract),
+    )
+
+    def cast_layer(h, w):
+      h = jax.lax.with_sharding_constraint(h, batch)
+      return layer(h, jax.tree.map(lambda a: a.astype(jnp.bfloat16), w))
+
+    scan = lambda h, p: jax.lax.scan(kept(cast_layer), h, p)
+    out_shardings = (NamedSharding(mesh, P()), jax.tree.map(lambda s: s.sharding, params))
+    step = jax.jit(jax.value_and_grad(lambda p, x: loss(scan, p, x)), out_shardings=out_shardings)
+  else:
+    params = jax.eval_shape(tx.shard, abstract)
+    prefetch = 0 if args.setup == "zero3-p0" else 1
+    # "plain" keeps every value, as jax.lax.scan of the plain layer does on the GSPMD side.
+    policy = "everything_saveable" if args.variant == "plain" else None
+    scan = lambda h, p: zerojax.scan(kept(layer), h, p, prefetch=prefetch, policy=policy)
+    step = jax.jit(zerojax.value_and_grad(lambda p, x: loss(scan, p, x), tx))
+  with zerojax.diagnostics.capture_stderr() as log, jax.set_mesh(mesh):
+    compiled = step.lower(params, x).compile()
+  memory = compiled.memory_analysis()
+  mib = lambda size: round(size / 2**20, 1)
+  out = {
+    "target": args.target,
+    "setup": args.setup,
+    "variant": args.variant,
+    "T": args.tokens,
+    "temp_MiB": mib(memory.temp_size_in_bytes),
+    "arg_MiB": mib(memory.argument_size_in_bytes),
+    "out_MiB": mib(memory.output_size_in_bytes),
+  }
+  if args.target.startswith("h100"):
+    estimate = zerojax.diagnostics.scheduler_estimate(log[0], compiled)
+    out |= {"cycles": estimate.cycles, "wasted": estimate.wasted, "silent": list(estimate.silent)}
+  return out
+
+
+def loss(scan, params, x):
+  import jax.numpy as jnp
+
+  h, _ = scan(x.astype(jnp.bfloat16), params)
+  return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+if __name__ == "__main__":
+  main()

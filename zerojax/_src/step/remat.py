@@ -40,9 +40,9 @@ OFFLOADED = "zerojax_offloaded"
 
 #: What a layer keeps of its values under no checkpoint of the user's, unless told otherwise:
 #: none (full rematerialisation: only the layer's inputs, the backward pass computing the rest
-#: again). Measured for the seeds' 7.5B and a 70B model, compiled for TPU v5e and H100, it is
-#: the one choice that fits both at a sequence a chip, at about 1.5x the forward pass's
-#: compute (docs/design.md, "What the backward pass keeps by default").
+#: again). Compiled for TPU v5e, the seeds' 7.5B and a 70B model fit a sequence a chip this way
+#: and not keeping every value, at one more forward pass of compute (a third more a step):
+#: docs/design.md, "What the backward pass keeps by default".
 DEFAULT_POLICY = jax.checkpoint_policies.nothing_saveable
 
 #: The primitives that call a jaxpr the judging looks into (``jax.jit`` inside a layer).

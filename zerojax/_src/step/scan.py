@@ -508,7 +508,7 @@ def _differentiable(x: Any) -> bool:
 
 
 def _zeros_like(x: jax.Array, dtype: Any = None) -> jax.Array:
-  """Zeros of ``x``'s shape, dtype (or ``dtype``) and varying mesh axes (so a loop may carry them)."""
+  """Zeros of ``x``'s shape, dtype (or ``dtype``) and varying mesh axes, for a loop to carry."""
   zeros = jnp.zeros(jnp.shape(x), dtype or jnp.result_type(x))
   varying = tuple(jax.typeof(x).manual_axis_type.varying)
   return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
