@@ -34,6 +34,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -68,7 +69,10 @@ KEEPS = {
     ),
   ),
 }
+#: zerojax's stage 3 (``precision="bf16"``: gradients reduced in float32), GSPMD FSDP, and
+#: (``--sides``) stage 3 reducing in bfloat16 as GSPMD FSDP does.
 SIDES = ("zero3", "GSPMD FSDP")
+BF16_REDUCTIONS = "zero3, bf16 reductions"
 GIB = big_models.GIB
 
 
@@ -94,7 +98,8 @@ class Compiler:
         self.programs[sequences] = big_models.Programs(config, self.target, sequences)
       programs = self.programs[sequences]
       clock = report.Clock()
-      row = big_models.measure(programs.train, side == "zero3", programs.tx, KEEPS[setting])
+      tx = programs.bf16_reductions_tx if side == BF16_REDUCTIONS else programs.tx
+      row = big_models.measure(programs.train, side != "GSPMD FSDP", tx, KEEPS[setting])
       self.rows[name] = row | {"seconds": clock.elapsed()}
       self.path.write_text(json.dumps(self.rows, indent=1))
       print(f"{self.model} on {self.target}, {name}: {self.rows[name]}", flush=True)
@@ -130,6 +135,8 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     command += ["--settings", setting]
   for setting in args.largest or ():
     command += ["--largest", setting]
+  for side in args.sides or ():
+    command += ["--sides", side]
   command += ["--again"] if args.again else []
   subprocess.run(command, env=env, check=True)
   return json.loads(path.read_text())
@@ -139,7 +146,7 @@ def child(args: argparse.Namespace) -> None:
   model, target = args.child.split(":")
   compiler = Compiler(model, target, args.cache / f"{model}-{target}.json", args.again)
   for setting in args.settings or KEEPS:
-    for side in SIDES:
+    for side in args.sides or SIDES:
       compiler.row(setting, side)
   for setting in args.largest or ():
     for side in SIDES:
@@ -155,27 +162,28 @@ def section(name: str, rows: dict[str, Any]) -> list[str]:
   cell = lambda row, k: f"{row[k]:.2f}" if row.get(k) is not None else "-"
   lines = []
   for setting in KEEPS:
-    zero, gspmd = (rows.get(key(setting, side, 1)) for side in SIDES)
-    for side, row in zip(SIDES, (zero, gspmd), strict=True):
+    gspmd = rows.get(key(setting, "GSPMD FSDP", 1))
+    for side in ("zero3", BF16_REDUCTIONS, "GSPMD FSDP"):
+      row = rows.get(key(setting, side, 1))
       if row is None:
         continue
-      fits = big_models.note(row, machine)
+      fits, needs = verdict(row, machine)
       host = sum(row.get(f"host {k}", 0) for k in ("temp", "argument", "output"))
       line = {
         "setting": setting,
         "side": side,
-        "fits": "yes" if not fits else f"no: {fits}",
-        "temporaries": cell(row, "temporaries"),
+        "fits": fits or "yes",
+        "temporaries": "-" if needs is None else f"{needs:.2f}" + (" (refused)" if fits else ""),
         "peak": cell(row, "peak"),
         "host": f"{host:.2f}" if "host temp" in row else "-",
         "vs GSPMD": "",
       }
-      if side == "zero3" and gspmd and not big_models.note(gspmd, machine) and not fits:
-        over = row["temporaries"] - gspmd["temporaries"]
-        line["vs GSPMD"] = (
-          f"{over:+.2f} GiB = {over / layer:+.2f} layers: "
-          + ("target met" if over <= layer + 1e-9 else "TARGET MISSED")
-        )
+      gspmd_fits, gspmd_needs = verdict(gspmd, machine) if gspmd else ("", None)
+      if side != "GSPMD FSDP" and needs is not None and gspmd_needs is not None:
+        over = needs - gspmd_needs
+        line["vs GSPMD"] = f"{over:+.2f} GiB = {over / layer:+.2f} layers" + (
+          ": target met" if over <= layer + 1e-9 else ": TARGET MISSED"
+        ) * (not gspmd_fits)
       lines.append(line)
   columns = ("setting", "side", "fits", "temporaries", "peak", "host", "vs GSPMD")
   titles = {
@@ -201,6 +209,16 @@ def section(name: str, rows: dict[str, Any]) -> list[str]:
   return out
 
 
+def verdict(row: dict[str, Any], machine: Any) -> tuple[str, float | None]:
+  """Why ``row``'s program does not fit ("" if it does), and the temporaries it needs, GiB (also
+  where XLA:TPU refuses them: its message says how many; ``None`` where it does not)."""
+  why = big_models.note(row, machine)
+  refused = re.search(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G", why)
+  if refused:  # XLA:TPU's "G" are GiB (a v5e chip's 16 GiB are 15.75G to it)
+    return f"no: XLA:TPU refuses it ({refused[2]} GiB available)", float(refused[1])
+  return why, row.get("temporaries")
+
+
 def tried_lines(rows: dict[str, Any], largest: list[str], machine: Any) -> list[str]:
   """What each search compiled: sequences a device, and whether it fit (temporaries, GiB)."""
   lines = []
@@ -223,6 +241,7 @@ def main() -> None:
   parser.add_argument("--only", action="append", choices=big_models.RUNS)
   parser.add_argument("--settings", action="append", choices=tuple(KEEPS))
   parser.add_argument("--largest", action="append", choices=tuple(KEEPS))
+  parser.add_argument("--sides", action="append", choices=(*SIDES, BF16_REDUCTIONS))
   parser.add_argument("--cache", type=Path, default=Path("/tmp/zerojax-remat"))
   parser.add_argument("--again", action="store_true", help="compile again what is cached")
   parser.add_argument("--cached", action="store_true", help="compile nothing: show the cache")
