@@ -177,6 +177,7 @@ def section(name: str, rows: dict[str, Any]) -> list[str]:
         "peak": cell(row, "peak"),
         "host": f"{host:.2f}" if "host temp" in row else "-",
         "vs GSPMD": "",
+        "peak vs GSPMD": "",
       }
       gspmd_fits, gspmd_needs = verdict(gspmd, machine) if gspmd else ("", None)
       if side != "GSPMD FSDP" and needs is not None and gspmd_needs is not None:
@@ -184,13 +185,16 @@ def section(name: str, rows: dict[str, Any]) -> list[str]:
         line["vs GSPMD"] = f"{over:+.2f} GiB = {over / layer:+.2f} layers" + (
           ": target met" if over <= layer + 1e-9 else ": TARGET MISSED"
         ) * (not gspmd_fits)
+        if row.get("peak") is not None and gspmd.get("peak") is not None:
+          line["peak vs GSPMD"] = f"{row['peak'] - gspmd['peak']:+.2f}"
       lines.append(line)
-  columns = ("setting", "side", "fits", "temporaries", "peak", "host", "vs GSPMD")
+  columns = ("setting", "side", "fits", "temporaries", "peak", "host", "vs GSPMD", "peak vs GSPMD")
   titles = {
     "temporaries": "temporaries GiB",
     "peak": "peak GiB",
     "host": "host GiB (temp + args + outputs)",
-    "vs GSPMD": "zero3 - GSPMD temporaries",
+    "vs GSPMD": "zero3 - GSPMD temporaries (target: at most one layer)",
+    "peak vs GSPMD": "zero3 - GSPMD peak GiB",
   }
   out = report.section(
     f"{config.parameters / 1e9:.1f}B parameters ({config.layers} layers, d {config.d}) on "
@@ -198,6 +202,8 @@ def section(name: str, rows: dict[str, Any]) -> list[str]:
     f"sequence of {config.seq_len} tokens a device; one layer in bfloat16 is {layer:.2f} GiB",
     report.table(lines, {k: (titles.get(k, k), "s") for k in columns}),
   )
+  seconds = sum(r.get("seconds", 0) for r in rows.values() if isinstance(r, dict))
+  out[-1:-1] = ["", f"Compiling these programs took {seconds:.0f} s."]
   largest = [k for k in rows if k.startswith("largest | ")]
   if largest:
     found = [f"{k.split(' | ')[2]}, {k.split(' | ')[1]}: {rows[k]}" for k in largest]
