@@ -261,7 +261,12 @@ def main() -> None:
     rows = run(name, args)
     lines += section(name, rows) if rows else []
   text = "\n".join(
-    [*lines, report.accelerator_provenance(clock), "", *report.command("remat.py", [shlex.quote(a) for a in sys.argv[1:]])]
+    [
+      *lines,
+      report.accelerator_provenance(clock),
+      "",
+      *report.command("remat.py", [shlex.quote(a) for a in sys.argv[1:]]),
+    ]
   )
   print(text)
   if args.markdown:
