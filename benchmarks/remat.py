@@ -130,6 +130,10 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
   if args.cached:
     return json.loads(path.read_text()) if path.exists() else {}
   env = {**os.environ, **deviceless_environment(target, scheduler_log=False)}
+  # This checkout's zerojax, not whichever one is installed (a script's own folder, not the
+  # working directory, leads sys.path).
+  root = str(Path(__file__).resolve().parent.parent)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
   command = [sys.executable, os.path.abspath(__file__), "--child", name, "--cache", str(args.cache)]
   for setting in args.settings or ():
     command += ["--settings", setting]
@@ -143,6 +147,9 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child(args: argparse.Namespace) -> None:
+  import zerojax
+
+  print(f"zerojax from {zerojax.__file__}", flush=True)
   model, target = args.child.split(":")
   compiler = Compiler(model, target, args.cache / f"{model}-{target}.json", args.again)
   for setting in args.settings or KEEPS:
