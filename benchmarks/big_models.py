@@ -84,8 +84,8 @@ AXIS = transformer.AXIS
 class Programs:
   """The four programs of ``config`` on ``target``'s devices, zerojax's and GSPMD FSDP's."""
 
-  def __init__(self, config: transformer.Config, target: str):
-    self.config = config
+  def __init__(self, config: transformer.Config, target: str, sequences: int = 1):
+    self.config, self.sequences = config, sequences
     self.n = deviceless_target(target).device_count
     self.mesh = deviceless_mesh(target, (self.n,), (AXIS,), (AxisType.Explicit,))
     self.auto = deviceless_mesh(target, (self.n,), (AXIS,), (AxisType.Auto,))
@@ -106,10 +106,10 @@ class Programs:
     return jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=NamedSharding(mesh, spec))
 
   def batch(self, mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    """One sequence a device: tokens to train on, and a sampling step's inputs and cache."""
+    """``sequences`` a device to train on; one to sample from: its inputs and cache."""
     c, n = self.config, self.n
     batch = {
-      "tokens": jax.ShapeDtypeStruct((n, c.seq_len + 1), jnp.int32),
+      "tokens": jax.ShapeDtypeStruct((n * self.sequences, c.seq_len + 1), jnp.int32),
       "last": jax.ShapeDtypeStruct((n,), jnp.int32),
       "position": jax.ShapeDtypeStruct((n,), jnp.int32),
       **transformer.abstract_cache(c, n),
@@ -187,12 +187,23 @@ class Programs:
       args = (batch["last"], batch["k"], batch["v"], batch["position"])
       return jax.jit(fn, donate_argnums=(2, 3)).lower(params, *args)
 
-  def _train_step(self, zero: bool, tx: zerojax.ZeroTransformation):
+  def train(self, zero: bool, tx: zerojax.ZeroTransformation, remat: Any) -> jax.stages.Lowered:
+    """The training step, zerojax's (``tx``) or GSPMD FSDP's, its layer under ``remat``
+    (as ``transformer.per_example_loss`` takes it)."""
+    mesh = self.mesh if zero else self.auto
+    params, opt_state = self.stored(tx) if zero else self.fsdp()
+    with jax.set_mesh(mesh):
+      step = self._train_step(zero, tx, remat)
+      return jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, opt_state, self.batch(mesh)["tokens"]
+      )
+
+  def _train_step(self, zero: bool, tx: zerojax.ZeroTransformation, remat: Any = None):
     c = self.config
     if zero:
-      grad_fn = zerojax.value_and_grad(transformer.mean_loss(c, True), tx)
+      grad_fn = zerojax.value_and_grad(transformer.mean_loss(c, True, remat), tx)
     else:
-      grad_fn, tx = jax.value_and_grad(transformer.mean_loss(c, False)), optax.adamw(1e-4)
+      grad_fn, tx = jax.value_and_grad(transformer.mean_loss(c, False, remat)), optax.adamw(1e-4)
 
     def step(params, opt_state, tokens):
       loss, grads = grad_fn(params, tokens)
@@ -223,6 +234,26 @@ def _is_spec(x: Any) -> bool:
   return isinstance(x, P)
 
 
+def measure(lower: Any, *args: Any) -> dict[str, Any]:
+  """The per-device GiB of the program ``lower(*args)`` lowers, compiled (``memory_analysis()``'s,
+  ``host_...`` in host memory), or the compiler's reason (``error``) it does not fit."""
+  try:
+    memory = lower(*args).compile().memory_analysis()
+  except Exception as error:  # XLA refuses a program that does not fit the device
+    return {"error": str(error).splitlines()[0][:160]}
+  return {
+    "arguments": memory.argument_size_in_bytes / GIB,
+    "outputs": memory.output_size_in_bytes / GIB,
+    "temporaries": memory.temp_size_in_bytes / GIB,
+    "aliased": memory.alias_size_in_bytes / GIB,
+    "peak": getattr(memory, "peak_memory_in_bytes", 0) / GIB or None,
+    **{
+      f"host {k}": getattr(memory, f"host_{k}_size_in_bytes", 0) / GIB
+      for k in ("argument", "output", "temp", "alias")
+    },
+  }
+
+
 def compile_all(
   model: str, target: str, cached: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
@@ -234,19 +265,7 @@ def compile_all(
     if f"{program}: {setup}" in cached:
       results[f"{program}: {setup}"] = cached[f"{program}: {setup}"]
       continue
-    row: dict[str, Any] = {"formula": programs.formula(program, setup)}
-    try:
-      memory = programs.lower(program, setup).compile().memory_analysis()
-    except Exception as error:  # XLA refuses a program that does not fit the device
-      row["error"] = str(error).splitlines()[0][:160]
-    else:
-      row |= {
-        "arguments": memory.argument_size_in_bytes / GIB,
-        "outputs": memory.output_size_in_bytes / GIB,
-        "temporaries": memory.temp_size_in_bytes / GIB,
-        "aliased": memory.alias_size_in_bytes / GIB,
-        "peak": getattr(memory, "peak_memory_in_bytes", 0) / GIB or None,
-      }
+    row = {"formula": programs.formula(program, setup), **measure(programs.lower, program, setup)}
     results[f"{program}: {setup}"] = row
     print(f"{model} on {target}, {program}: {setup}: {row}", flush=True)
   return results

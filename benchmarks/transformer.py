@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import zerojax
@@ -37,6 +38,10 @@ import zerojax
 AXIS = "data"
 #: What every layer's ``jax.checkpoint`` saves: nothing but the layer's input (the carry).
 POLICY = "nothing_saveable"
+#: The ``checkpoint_name`` s of a layer's activations a policy may keep by name: the query
+#: projection, the keys' and values' projection, and the MLP's hidden activations (the
+#: gate-and-up projection's output, ``2 * mlp`` wide).
+NAMES = ("q_proj", "kv_proj", "mlp_hidden")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +136,9 @@ def attention_inputs(config: Config, h: jax.Array, w: dict[str, jax.Array]):
   c = config
   batch, time, _ = h.shape
   x = rms_norm(h, w["attn_norm"])
-  q = (x @ w["q"]).reshape(batch, time, c.heads, c.head_dim)
-  k, v = jnp.split((x @ w["kv"]).reshape(batch, time, 2 * c.kv_heads, c.head_dim), 2, axis=2)
+  q = checkpoint_name(x @ w["q"], "q_proj").reshape(batch, time, c.heads, c.head_dim)
+  kv = checkpoint_name(x @ w["kv"], "kv_proj")
+  k, v = jnp.split(kv.reshape(batch, time, 2 * c.kv_heads, c.head_dim), 2, axis=2)
   return q, k, v
 
 
@@ -140,7 +146,8 @@ def layer_rest(h: jax.Array, attended: jax.Array, w: dict[str, jax.Array]) -> ja
   """The layer after attention: its output projection, then the SwiGLU MLP, both residual."""
   batch, time = h.shape[:2]
   h = h + attended.reshape(batch, time, -1) @ w["o"]
-  gate, up = jnp.split(rms_norm(h, w["mlp_norm"]) @ w["gate_up"], 2, axis=-1)
+  hidden = checkpoint_name(rms_norm(h, w["mlp_norm"]) @ w["gate_up"], "mlp_hidden")
+  gate, up = jnp.split(hidden, 2, axis=-1)
   return h + (jax.nn.silu(gate) * up) @ w["down"]
 
 
@@ -152,7 +159,12 @@ def layer(config: Config, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
 
 
 def per_example_loss(
-  config: Config, params: dict[str, Any], tokens: jax.Array, zero: bool, prefetch: int = 1
+  config: Config,
+  params: dict[str, Any],
+  tokens: jax.Array,
+  zero: bool,
+  prefetch: int = 1,
+  remat: Any = None,
 ) -> jax.Array:
   """Each sequence's mean next-token cross-entropy (``tokens`` of ``seq_len + 1``).
 
@@ -160,12 +172,24 @@ def per_example_loss(
   ``zerojax.scan``, ``prefetch`` layers ahead, the rest opened with
   ``zerojax.gather``); otherwise on whole (annotated) parameters under
   ``jax.lax.scan``.
+
+  ``remat``: the user's own wrapping of the layer, the same on both sides
+  (``jax.checkpoint`` with a policy, or ``lambda f: f`` for none, which keeps every
+  value on both sides), under a scan given no policy of its own; ``None``: ``POLICY``, as zerojax's
+  ``policy=`` and as GSPMD's ``jax.checkpoint``.
   """
   x, y = tokens[:, :-1], tokens[:, 1:]
   outer = zerojax.gather({k: v for k, v in params.items() if k != "layers"}) if zero else params
   h = _bf16(outer["embed"])[x]
   step = lambda h, w: (_batch_split(layer(config, h, w), zero), None)
-  if zero:
+  if remat is not None:
+    wrapped = remat(step)
+    # A layer left plain keeps every value, as jax.lax.scan of it does (zerojax.scan's default
+    # keeps only the layer's inputs); a checkpointed one keeps what its policy says.
+    policy = "everything_saveable" if wrapped is step else None
+    scan = functools.partial(zerojax.scan, prefetch=prefetch, policy=policy)
+    h, _ = (scan if zero else jax.lax.scan)(wrapped, h, params["layers"])
+  elif zero:
     h, _ = zerojax.scan(step, h, params["layers"], prefetch=prefetch, policy=POLICY)
   else:
     policy = getattr(jax.checkpoint_policies, POLICY)
@@ -181,9 +205,10 @@ def _batch_split(h: jax.Array, zero: bool) -> jax.Array:
   return jax.lax.with_sharding_constraint(h, P(AXIS))
 
 
-def mean_loss(config: Config, zero: bool):
-  """``loss(params, tokens)``: the batch's mean, for a training step."""
-  return lambda params, tokens: per_example_loss(config, params, tokens, zero).mean()
+def mean_loss(config: Config, zero: bool, remat: Any = None):
+  """``loss(params, tokens)``: the batch's mean, for a training step (``remat`` as for
+  ``per_example_loss``)."""
+  return lambda params, tokens: per_example_loss(config, params, tokens, zero, remat=remat).mean()
 
 
 def decode(
