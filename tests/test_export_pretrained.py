@@ -3,6 +3,8 @@ sharded layout, read back by zerojax onto any stage and device count and by Hugg
 """
 
 import json
+import subprocess
+import sys
 
 import chex
 import jax
@@ -16,6 +18,7 @@ import safetensors.numpy
 from jax.sharding import Mesh
 
 import zerojax
+from tests import environment, export_worker
 from tests.helpers import STAGES, save_for_export
 
 
@@ -177,3 +180,42 @@ def test_a_value_the_dtype_cannot_hold_is_refused(mesh, tmp_path):
   with pytest.raises(ValueError, match=r"'w' holds 1000000.0 .* float16"):
     zerojax.export_pretrained(tmp_path, tx, params, dtype=jnp.float16)
   assert list(tmp_path.iterdir()) == []  # no partial file left
+
+
+def test_two_processes_write_one_set_of_files_each_its_part(tmp_path):
+  """2 processes x 4 devices (``tests/export_worker.py``): at stage 3 each writes its half of
+  every tensor into the same files; at stage 2 each writes whole tensors, about half of them;
+  HuggingFace's reader reads every tensor; each process's peak memory grows by a few pieces at
+  most, not by its share of the files."""
+  done = subprocess.run(
+    [
+      *(sys.executable, "-m", "zerojax_launch", "-n", "2", "--devices-per-process", "4"),
+      *("--timeout", "300", "tests/export_worker.py", str(tmp_path)),
+    ],
+    cwd=environment.ROOT,
+    env=environment.subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=330,
+  )
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+  full = export_worker.model()
+  expected = {
+    name: tensor.astype(ml_dtypes.bfloat16)
+    for name, tensor in export_worker.expected_tensors(full).items()
+  }
+  total_mib = sum(t.nbytes for t in expected.values()) / 2**20
+  for stage in (3, 2):
+    directory = tmp_path / f"stage{stage}"
+    chex.assert_trees_all_equal(read_with_huggingface(directory), expected)
+    tx = zerojax.zero3(optax.adam(1e-3), mesh=four_devices())
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), full)
+    loaded = tx.gather(zerojax.load_safetensors(directory, tx, like, keys=export_worker.KEYS))
+    rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), full)
+    chex.assert_trees_all_equal(loaded, rounded)
+    for process in (0, 1):
+      report = json.loads((tmp_path / f"p{process}.json").read_text())[f"stage{stage}"]
+      # Its half of the tensors' bytes (and the headers), not more.
+      assert abs(report["written_mib"] - total_mib / 2) < 0.1 * total_mib, report
+      # Pieces, not its share (9 MiB): measured 0.1 MiB, the pieces reusing freed memory.
+      assert report["growth_mib"] < 8, report
