@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -227,16 +228,33 @@ def _source(tx: Any, params: Any, step: int | None) -> Iterator[tuple[list[_Leaf
     value = values[i]
     if not isinstance(value, jax.Array):
       return np.asarray(value)[_slices(bounds)]
+    out, filled, seen = None, 0, set()
     for shard in value.addressable_shards:
-      origin = _clipped(_index_bounds(shard.index, value.shape), leaves[i].shape)
-      if all(
-        a <= start and stop <= b for (a, b), (start, stop) in zip(origin, bounds, strict=True)
-      ):
-        local = tuple(slice(s - a, e - a) for (a, _), (s, e) in zip(origin, bounds, strict=True))
-        return np.asarray(shard.data[local])  # only the piece leaves its device
-    raise AssertionError(f"no device of this process holds {bounds} of {leaves[i].name}")
+      held = _clipped(_index_bounds(shard.index, value.shape), leaves[i].shape)
+      overlap = _overlap(held, bounds) if bounds else ()
+      if overlap is None or held in seen:  # not in it, or a replica of a region copied already
+        continue
+      seen.add(held)
+      starts = np.asarray([a - h for (a, _), (h, _) in zip(overlap, held, strict=True)], np.int32)
+      # Only the piece leaves its device.
+      part = np.asarray(_piece(shard.data, starts, _extent(overlap)))
+      if overlap == bounds:
+        return part
+      if out is None:
+        out = np.empty(_extent(bounds), part.dtype)
+      out[tuple(slice(a - b, e - b) for (a, e), (b, _) in zip(overlap, bounds, strict=True))] = part
+      filled += part.size
+    if out is None or filled != out.size:
+      raise AssertionError(f"the devices of this process do not hold {bounds} of {leaves[i].name}")
+    return out
 
   yield leaves, fetch
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _piece(shard: jax.Array, starts: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+  # Starts traced: one program for the pieces of a size, wherever they are.
+  return jax.lax.dynamic_slice(shard, tuple(starts), sizes)
 
 
 def _logical_shape(x: Any) -> tuple[int, ...]:
@@ -331,8 +349,9 @@ def _plan(
 def _writers(
   leaves: list[_Leaf], tensors: list[_Tensor]
 ) -> tuple[dict[int, list[_Write]], list[int | None]]:
-  """Who writes what: a tensor that some process holds whole, by one of those (the one with the
-  least to write so far); else each region by one of the processes holding it."""
+  """Who writes what: a tensor whose every region one process holds, by one of those (the one
+  with the least to write so far); else each region by one of the processes holding it. A
+  process's regions of a tensor that tile a box are written as that box, whole rows at a time."""
   load: collections.Counter[int] = collections.Counter()
   writes: dict[int, list[_Write]] = collections.defaultdict(list)
   writers: list[int | None] = []
@@ -347,17 +366,28 @@ def _writers(
       for region in leaf.regions
       if (overlap := _overlap(region.bounds, within)) is not None
     ]
-    whole = sorted({p for r in regions if r.bounds == within for p in r.processes})
-    if whole:
-      regions = [_Region(within, (least(whole),))]
-    chosen = set()
+    common = set.intersection(*(set(r.processes) for r in regions)) if regions else set()
+    if common:
+      regions = [_Region(r.bounds, (least(common),)) for r in regions]
+    mine: dict[int, list[Bounds]] = collections.defaultdict(list)
     for region in regions:
       writer = least(region.processes)
-      writes[writer].append(_Write(k, region.bounds))
+      mine[writer].append(region.bounds)
       load[writer] += math.prod(_extent(region.bounds)) * tensor.dtype.itemsize
-      chosen.add(writer)
-    writers.append(chosen.pop() if len(chosen) == 1 else None)
+    for writer, bounds in mine.items():
+      box = _tiled_box(bounds)
+      writes[writer] += [_Write(k, b) for b in ([box] if box is not None else bounds)]
+    writers.append(next(iter(mine)) if len(mine) == 1 else None)
   return writes, writers
+
+
+def _tiled_box(regions: list[Bounds]) -> Bounds | None:
+  """The box the (disjoint) ``regions`` tile exactly, or ``None`` if they leave gaps in it."""
+  box = tuple(
+    (min(r[d][0] for r in regions), max(r[d][1] for r in regions)) for d in range(len(regions[0]))
+  )
+  tiled = math.prod(_extent(box)) == sum(math.prod(_extent(r)) for r in regions)
+  return box if tiled else None
 
 
 def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
