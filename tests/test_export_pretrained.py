@@ -3,6 +3,7 @@ sharded layout, read back by zerojax onto any stage and device count and by Hugg
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -219,3 +220,16 @@ def test_two_processes_write_one_set_of_files_each_its_part(tmp_path):
       assert abs(report["written_mib"] - total_mib / 2) < 0.1 * total_mib, report
       # Pieces, not its share (9 MiB): measured 0.1 MiB, the pieces reusing freed memory.
       assert report["growth_mib"] < 8, report
+
+
+def test_a_tensor_split_over_columns_is_written_in_whole_rows(mesh, tmp_path, monkeypatch):
+  """Stage 3 splits the kernel's last axis, a file tensor's columns: this process's shards tile
+  it, so it is written in pieces of whole rows, one write a piece, not one a row a device."""
+  tx = zerojax.zero3(optax.adam(1e-3), mesh=mesh)
+  params = tx.shard({"w": jnp.ones((512, 1024))})
+  assert params["w"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
+  writes = []
+  pwrite = os.pwrite
+  monkeypatch.setattr(os, "pwrite", lambda *args: writes.append(args[2]) or pwrite(*args))
+  zerojax.export_pretrained(tmp_path, tx, params)
+  assert len(writes) == 1, writes  # 2 MiB: one piece
