@@ -14,6 +14,7 @@ from zerojax import distributed as distributed
 from zerojax._src.checkpoint.export import export_safetensors, load_params
 from zerojax._src.checkpoint.load import FileKey, load_safetensors
 from zerojax._src.checkpoint.manager import CheckpointManager, StateSpec, train_state_spec
+from zerojax._src.checkpoint.pretrained_export import export_pretrained
 from zerojax._src.comm.quantized import Quantization
 from zerojax._src.comm.shards import Shard, except_gathered, gather, remat_policy
 from zerojax._src.core.precision import DynamicLossScale, LossScaleState, Precision
@@ -64,6 +65,7 @@ __all__ = (
   "estimate_memory",
   "estimate_tree_memory",
   "except_gathered",
+  "export_pretrained",
   "export_safetensors",
   "forward",
   "gather",
