@@ -637,12 +637,12 @@ def flax_layers_that_stages_cannot_share(types):
     layers.apply(params, jnp.ones((8, 16)))
 
 
-def _scanned(types, layer, prefetch=1, policy=None, **options):
+def _scanned(types, layer, prefetch=1, policy=None, carry=jnp.float32, **options):
   """A stage-3 step whose loss runs ``layer`` with ``zerojax.scan`` over a stack of 4 layers."""
   mesh = _mesh(types)
   tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=1, **options)
   params = tx.shard({"w": jnp.linspace(-1, 1, 256).reshape(4, 8, 8)})
-  scan = lambda x, w: zerojax.scan(layer, x, w, prefetch=prefetch, policy=policy)
+  scan = lambda x, w: zerojax.scan(layer, x.astype(carry), w, prefetch=prefetch, policy=policy)
   loss = lambda p, x: jnp.mean(scan(x, p["w"])[0])
   grad_fn = zerojax.value_and_grad(loss, tx)
   return jax.jit(grad_fn)(params, jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data"))))
@@ -653,7 +653,8 @@ def scan_body_returning_one_value(types):
 
 
 def scan_body_promoting_its_carry(types):
-  _scanned(types, lambda h, w: ((h @ w / np.sqrt(8)).astype(jnp.float32), None), precision="bf16")
+  # bfloat16 activations, and a NumPy scalar (float64, taken as float32) that promotes them.
+  _scanned(types, lambda h, w: (h @ w / np.sqrt(8), None), carry=jnp.bfloat16, precision="bf16")
 
 
 def policy_on_a_layer_under_its_own_checkpoint(types):

@@ -31,7 +31,14 @@ from jax.experimental import multihost_utils
 
 from zerojax._src.checkpoint import export as export_lib
 from zerojax._src.checkpoint import tensor_files
-from zerojax._src.checkpoint.load import PIECE_BYTES, KeyLike, _key_of, _name, _pieces, _strays
+from zerojax._src.checkpoint.load import (
+  PIECE_BYTES,
+  KeyLike,
+  _key_of,
+  _name,
+  _pieces_in_order,
+  _strays,
+)
 from zerojax._src.core import transformation as zero_lib
 from zerojax._src.sharding import stored as stored_lib
 
@@ -492,7 +499,7 @@ def _write(
       for leaf_axis, file_axis in enumerate(tensor.transpose):
         region[file_axis] = layer[leaf_axis]
       itemsize = max(tensor.dtype.itemsize, leaves[tensor.leaf].dtype.itemsize)
-      for piece in _pieces(tuple(region), max(1, PIECE_BYTES // itemsize)):
+      for piece in _pieces_in_order(tuple(region), max(1, PIECE_BYTES // itemsize)):
         wanted = tuple(piece[file_axis] for file_axis in tensor.transpose)
         if tensor.layer is not None:
           wanted = ((tensor.layer, tensor.layer + 1), *wanted)
