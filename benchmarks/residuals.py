@@ -43,7 +43,8 @@ def main() -> None:
     flags = f"--xla_dump_to={args.dump} --xla_dump_hlo_as_text" if args.dump else ""
     gpu = args.target.startswith("h100")
     target_env = deviceless_environment(args.target, scheduler_log=gpu, xla_flags=flags)
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **target_env})
+    environment = {**os.environ, **target_env, "_DEVICELESS": "1"}
+    os.execve(sys.executable, [sys.executable, *sys.argv], environment)
   print(json.dumps(measure(args)))
 
 
