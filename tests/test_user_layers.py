@@ -252,3 +252,51 @@ def test_nnx_blocks_under_nnx_remat_keep_only_their_inputs():
   # saving is measured against the same program keeping every value.
   step = lambda block, h, _: (block(h), None)
   assert kept(step, "everything_saveable") - kept(nnx.remat(step)) >= ACTIVATIONS / 2
+
+
+class MaskedBlock(nn.Module):
+  """A Linen block reading a causal mask it is given, made in the loss: a closure of the scan."""
+
+  mask: jax.Array
+
+  @nn.compact
+  def __call__(self, h, _):
+    scores = jnp.einsum("bsd,btd->bst", nn.Dense(D, use_bias=False)(h), h)
+    return h + jax.nn.softmax(jnp.where(self.mask, scores, -1e9), -1) @ h, None
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_flax_scans_run_layers_closing_over_the_losss_values(axis_type):
+  x = batch(jax.random.key(1))
+  causal = lambda: jnp.tril(jnp.ones((S, S), bool))
+  linen = lambda mask: zerojax.flax.linen.scan(MaskedBlock, length=LAYERS)(mask)
+  linen_params = linen(causal()).init(jax.random.key(0), x, None)["params"]
+  linen_loss = lambda p, x: jnp.mean(linen(causal()).apply({"params": p}, x, None)[0] ** 2)
+
+  layers = nnx.vmap(lambda rngs: nnx.Linear(D, D, use_bias=False, rngs=rngs))(
+    nnx.Rngs(0).split(LAYERS)
+  )
+
+  def nnx_loss(layers, x):
+    mask = causal()
+
+    def step(layer, h, _):
+      scores = jnp.einsum("bsd,btd->bst", layer(h), h)
+      return h + jax.nn.softmax(jnp.where(mask, scores, -1e9), -1) @ h, None
+
+    return jnp.mean(zerojax.flax.nnx.scan(step, layers, x)[0] ** 2)
+
+  mesh = mesh_of(axis_type)
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh, min_shard_size=64)
+  want = jax.value_and_grad(linen_loss)(linen_params, x)  # outside: jax.lax.scan
+  got = jax.jit(zerojax.value_and_grad(linen_loss, tx))(tx.shard(linen_params), x)
+  chex.assert_trees_all_close((got[0], tx.unpad(tx.gather(got[1]))), want, **ROUNDING)
+
+  want = nnx.value_and_grad(nnx_loss)(layers, x)
+  want = (want[0], nnx.to_pure_dict(nnx.state(want[1], nnx.Param)))
+  nnx.update(layers, tx.shard(nnx.state(layers, nnx.Param)))
+  value_and_grad = zerojax.flax.nnx.value_and_grad(nnx_loss, tx, gather=False)
+  with jax.set_mesh(mesh):
+    loss, grads = nnx.jit(value_and_grad)(layers, x)
+  grads = nnx.to_pure_dict(tx.unpad(tx.gather(nnx.state(grads, nnx.Param))))
+  chex.assert_trees_all_close((loss, grads), want, **ROUNDING)
