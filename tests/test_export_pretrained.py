@@ -218,8 +218,10 @@ def test_two_processes_write_one_set_of_files_each_its_part(tmp_path):
       report = json.loads((tmp_path / f"p{process}.json").read_text())[f"stage{stage}"]
       # Its half of the tensors' bytes (and the headers), not more.
       assert abs(report["written_mib"] - total_mib / 2) < 0.1 * total_mib, report
-      # Pieces, not its share (9 MiB): measured 0.1 MiB, the pieces reusing freed memory.
-      assert report["growth_mib"] < 8, report
+      # A few pieces (a 4 MiB piece read, transposed and cast: 0.1 to 12 MiB measured, as the
+      # allocator keeps freed pieces or not), not its share of a leaf (16 MiB of the stacked
+      # kernel as float32, whose copy would add that to the pieces).
+      assert report["growth_mib"] < 16, report
 
 
 def test_a_tensor_split_over_columns_is_written_in_whole_rows(mesh, tmp_path, monkeypatch):
