@@ -232,6 +232,22 @@ def computed_once(name: str, compute: Callable[[Path], object]) -> Path:
   return directory
 
 
+def launch_worker(script: str, *args: str) -> None:
+  """Runs ``script *args`` (a file under tests/) as 2 processes of 4 CPU devices, to its end."""
+  done = subprocess.run(
+    [
+      *(sys.executable, "-m", "zerojax_launch", "-n", "2", "--devices-per-process", "4"),
+      *("--timeout", "300", script, *args),
+    ],
+    cwd=environment.ROOT,
+    env=environment.subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=330,
+  )
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def launch_code(code: str, **options: Any) -> tuple[int, str]:
   """``zerojax.launch`` of ``python -c code`` (2 processes unless told): status and messages."""
   err = io.StringIO()

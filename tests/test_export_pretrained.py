@@ -4,8 +4,6 @@ sharded layout, read back by zerojax onto any stage and device count and by Hugg
 
 import json
 import os
-import subprocess
-import sys
 
 import chex
 import jax
@@ -19,8 +17,8 @@ import safetensors.numpy
 from jax.sharding import Mesh
 
 import zerojax
-from tests import environment, export_worker
-from tests.helpers import STAGES, save_for_export
+from tests import export_worker
+from tests.helpers import STAGES, launch_worker, save_for_export
 
 
 def model() -> dict[str, np.ndarray]:
@@ -188,18 +186,7 @@ def test_two_processes_write_one_set_of_files_each_its_part(tmp_path):
   every tensor into the same files; at stage 2 each writes whole tensors, about half of them;
   HuggingFace's reader reads every tensor; each process's peak memory grows by a few pieces at
   most, not by its share of the files."""
-  done = subprocess.run(
-    [
-      *(sys.executable, "-m", "zerojax_launch", "-n", "2", "--devices-per-process", "4"),
-      *("--timeout", "300", "tests/export_worker.py", str(tmp_path)),
-    ],
-    cwd=environment.ROOT,
-    env=environment.subprocess_env(),
-    capture_output=True,
-    text=True,
-    timeout=330,
-  )
-  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+  launch_worker("tests/export_worker.py", str(tmp_path))
   full = export_worker.model()
   expected = {
     name: tensor.astype(ml_dtypes.bfloat16)

@@ -6,13 +6,11 @@ measured in benchmarks/loading.py (docs/loading.md), these check bounds.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests import environment, load_worker
-from tests.helpers import AXIS_TYPES
+from tests import load_worker
+from tests.helpers import AXIS_TYPES, launch_worker
 from zerojax._src.checkpoint import load
 
 #: A piece as the file stores it and as cast (each at most ``PIECE_BYTES``): what a process may
@@ -23,25 +21,9 @@ PIECE_MIB = 2 * load.PIECE_BYTES / 2**20
 ALLOWANCE_MIB = 2
 
 
-def launch(directory, *args: str) -> None:
-  """Runs ``tests/load_worker.py directory *args`` as 2 processes of 4 CPU devices."""
-  done = subprocess.run(
-    [
-      *(sys.executable, "-m", "zerojax_launch", "-n", "2", "--devices-per-process", "4"),
-      *("--timeout", "300", "tests/load_worker.py", str(directory), *args),
-    ],
-    cwd=environment.ROOT,
-    env=environment.subprocess_env(),
-    capture_output=True,
-    text=True,
-    timeout=330,
-  )
-  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-
-
 def test_each_process_reads_and_holds_only_its_half(tmp_path):
   load_worker.write_model(tmp_path / "model.safetensors")
-  launch(tmp_path)
+  launch_worker("tests/load_worker.py", str(tmp_path))
   layers = {0: ["layers.0", "layers.1"], 1: ["layers.2", "layers.3"]}
   for process in (0, 1):
     report = json.loads((tmp_path / f"p{process}.json").read_text())
@@ -68,7 +50,7 @@ def test_each_process_holds_its_share_and_one_piece_more(tmp_path, axis_type):
   # layers, cast a bfloat16 tensor and pad: on CPU the devices' memory is the process's, so its
   # share is part of its peak, and the floor.
   load_worker.write_huggingface_model(tmp_path / "huggingface.safetensors")
-  launch(tmp_path, "--floor", axis_type)
+  launch_worker("tests/load_worker.py", str(tmp_path), "--floor", axis_type)
   for process in (0, 1):
     report = json.loads((tmp_path / f"floor.p{process}.json").read_text())
     assert report["exact"], report  # each shard, as HuggingFace's reader reads the file

@@ -64,23 +64,36 @@ def flat_loss(params, x, labels):
   return head_loss(params["head"], h, labels)
 
 
+def through_pipeline(stage, layers, h, head, head_params, labels, schedule: str, **options):
+  """``head(head_params, stages(h), labels)``: the head after the pipeline ("gpipe") or in it."""
+  if schedule == "gpipe":
+    return head(head_params, zerojax.pipeline(stage, layers, h, **options), labels)
+  return zerojax.pipeline(
+    stage,
+    layers,
+    h,
+    schedule=schedule,
+    loss_fn=head,
+    loss_params=head_params,
+    targets=(labels,),
+    **options,
+  )
+
+
 def pipelined_loss(schedule: str, microbatches: int = 2, head=head_loss, **options):
   """The loss through ``zerojax.pipeline``: the head after it (``"gpipe"``) or inside it."""
 
   def loss(params, x, labels):
     h = x @ zerojax.gather(params["embed"])
-    if schedule == "gpipe":
-      h = zerojax.pipeline(stage_fn, params["layers"], h, microbatches=microbatches, **options)
-      return head(params["head"], h, labels)
-    return zerojax.pipeline(
+    return through_pipeline(
       stage_fn,
       params["layers"],
       h,
+      head,
+      params["head"],
+      labels,
+      schedule,
       microbatches=microbatches,
-      schedule=schedule,
-      loss_fn=head,
-      loss_params=params["head"],
-      targets=(labels,),
       **options,
     )
 
@@ -379,21 +392,19 @@ def test_dropout_inside_the_stages_draws_per_micro_batch_and_stage(shape, kind, 
   mesh = make_mesh(shape, kind)
   tx = STAGES[stage](optax.sgd(0.1), mesh=mesh, min_shard_size=256)
   chunks = 2 if schedule == "interleaved" else 1  # per stage: virtual stage k S + s on stage s
-  options = dict(microbatches=2, schedule=schedule, virtual_stages=chunks if chunks > 1 else None)
+  options = dict(microbatches=2, virtual_stages=chunks if chunks > 1 else None)
 
   def step(params, x, labels, key):
     def loss(params, x, labels):
       h = x @ zerojax.gather(params["embed"])
-      if schedule == "gpipe":
-        h = zerojax.pipeline(dropout_stage, params["layers"], h, key=key, **options)
-        return head_loss(params["head"], h, labels)
-      return zerojax.pipeline(
+      return through_pipeline(
         dropout_stage,
         params["layers"],
         h,
-        loss_fn=head_loss,
-        loss_params=params["head"],
-        targets=(labels,),
+        head_loss,
+        params["head"],
+        labels,
+        schedule,
         key=key,
         **options,
       )
@@ -472,18 +483,15 @@ def row_dropout_loss(schedule: str, pipelined: bool = True):
     h = {"h": x @ zerojax.gather(params["embed"]), "keys": keys}
     if not pipelined:
       return head(params["head"], row_dropout_layers(params["layers"], h), labels)
-    options = dict(microbatches=2, schedule=schedule)
-    if schedule == "gpipe":
-      h = zerojax.pipeline(row_dropout_stage, params["layers"], h, **options)
-      return head(params["head"], h, labels)
-    return zerojax.pipeline(
+    return through_pipeline(
       row_dropout_stage,
       params["layers"],
       h,
-      loss_fn=head,
-      loss_params=params["head"],
-      targets=(labels,),
-      **options,
+      head,
+      params["head"],
+      labels,
+      schedule,
+      microbatches=2,
     )
 
   return loss
@@ -694,17 +702,8 @@ def closing_loss(schedule: str | None, **options):
     h = x @ embed
     if schedule is None:
       return head(params["head"], jax.lax.scan(layer, h, params["layers"])[0], labels)
-    if schedule == "gpipe":
-      return head(params["head"], zerojax.pipeline(stage, params["layers"], h, **options), labels)
-    return zerojax.pipeline(
-      stage,
-      params["layers"],
-      h,
-      schedule=schedule,
-      loss_fn=head,
-      loss_params=params["head"],
-      targets=(labels,),
-      **options,
+    return through_pipeline(
+      stage, params["layers"], h, head, params["head"], labels, schedule, **options
     )
 
   return loss
