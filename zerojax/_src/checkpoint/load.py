@@ -214,14 +214,14 @@ def load_safetensors(
   plans = optimizer.plans(logical)
   found = tensor_files.tensors(paths)
   named, treedef = jax.tree_util.tree_flatten_with_path(logical)
-  sources = _sources(found, [(_name(path), leaf) for path, leaf in named], keys, paths)
+  sources = _sources(found, [(leaf_name(path), leaf) for path, leaf in named], keys, paths)
   # The stored parameters, or with init=True the master copy: full precision, split as the
   # optimizer state is (stage 3 stores it as the parameters).
   layout = plans.sharded if init else plans.params
 
   def place(stored: layout_lib.LeafLayout, path: Any, leaf: Any, source: _Source) -> jax.Array:
     sharding = NamedSharding(settings.mesh, stored.partition_spec)
-    return _place(_name(path), source, stored, np.dtype(leaf.dtype), sharding)
+    return _place(leaf_name(path), source, stored, np.dtype(leaf.dtype), sharding)
 
   placed = jax.tree.unflatten(
     treedef,
@@ -241,7 +241,8 @@ def load_safetensors(
     return jax.jit(tx.shard)(master), opt_state
 
 
-def _name(path: tuple[Any, ...]) -> str:
+def leaf_name(path: tuple[Any, ...]) -> str:
+  """A leaf's name as ``keys=`` spells it: its path's keys joined with ``"."``."""
   return ".".join(str(spec_lib.key_name(key)) for key in path)
 
 
@@ -408,11 +409,11 @@ def _pieces(box: Bounds, elements: int, order: Sequence[int]) -> Iterator[Bounds
   a few columns of every row.
   """
   inverse = np.argsort(order)
-  for piece in _pieces_in_order(tuple(box[axis] for axis in order), elements):
+  for piece in pieces_in_order(tuple(box[axis] for axis in order), elements):
     yield tuple(piece[axis] for axis in inverse)
 
 
-def _pieces_in_order(box: Bounds, elements: int) -> Iterator[Bounds]:
+def pieces_in_order(box: Bounds, elements: int) -> Iterator[Bounds]:
   """``box`` cut into boxes of at most ``elements`` (or one row of its last dimension)."""
   sizes = _extent(box)
   if not box:
@@ -448,7 +449,7 @@ def _sources(
   """Each leaf's tensors, checked against it; one error naming every leaf that does not fit."""
   sources, problems = [], []
   for name, leaf in leaves:
-    key = _key_of(name, keys)
+    key = key_of(name, keys)
     names = [key.key] if isinstance(key.key, str) else list(key.key)
     missing = [n for n in names if n not in found]
     if missing:
@@ -461,7 +462,7 @@ def _sources(
     if problem:
       problems.append(problem)
     sources.append(_Source(tensors, not isinstance(key.key, str), transpose))
-  strays = _strays(keys, [n for n, _ in leaves])
+  strays = stray_keys(keys, [n for n, _ in leaves])
   if problems or strays:
     lines = [*problems, *strays]
     shown = "\n".join(f"  {line}" for line in lines[:20])
@@ -484,7 +485,8 @@ def _sources(
   return sources
 
 
-def _key_of(name: str, keys: Any) -> FileKey:
+def key_of(name: str, keys: Any) -> FileKey:
+  """The file tensors of the leaf ``name`` under ``keys=`` (a mapping, a function or ``None``)."""
   if keys is None:
     key = name
   elif isinstance(keys, Mapping):
@@ -516,7 +518,7 @@ def _missing(name: str, missing: list[str], found: dict[str, Any], keys: Any) ->
   return f"{name}: {what}{given} is not in the files{hint}"
 
 
-def _strays(keys: Any, leaves: list[str]) -> list[str]:
+def stray_keys(keys: Any, leaves: list[str]) -> list[str]:
   """A line for each name that ``keys`` maps and no leaf has, with the leaves closest to it."""
   if not isinstance(keys, Mapping):
     return []

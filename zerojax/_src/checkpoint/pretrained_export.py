@@ -34,10 +34,10 @@ from zerojax._src.checkpoint import tensor_files
 from zerojax._src.checkpoint.load import (
   PIECE_BYTES,
   KeyLike,
-  _key_of,
-  _name,
-  _pieces_in_order,
-  _strays,
+  key_of,
+  leaf_name,
+  pieces_in_order,
+  stray_keys,
 )
 from zerojax._src.core import transformation as zero_lib
 from zerojax._src.sharding import stored as stored_lib
@@ -227,7 +227,7 @@ def _source(tx: Any, params: Any, step: int | None) -> Iterator[tuple[list[_Leaf
     shapes = [leaf.shape for leaf in zero_lib.unwrap(tx).plans(params).sharded.leaves]
   values = [x.value if stored_lib.is_stored(x) else x for _, x in named]
   leaves = [
-    _Leaf(_name(path), shape, np.dtype(value.dtype), _regions(value, shape))
+    _Leaf(leaf_name(path), shape, np.dtype(value.dtype), _regions(value, shape))
     for (path, _), shape, value in zip(named, shapes, values, strict=True)
   ]
 
@@ -310,7 +310,7 @@ def _plan(
   problems: list[str] = []
   taken: dict[str, str] = {}
   for i, leaf in enumerate(leaves):
-    key = _key_of(leaf.name, keys)
+    key = key_of(leaf.name, keys)
     stacked = not isinstance(key.key, str)
     names = [key.key] if isinstance(key.key, str) else list(key.key)
     shape = leaf.shape[1:] if stacked else leaf.shape
@@ -341,7 +341,7 @@ def _plan(
       tensors.append(
         _Tensor(name, i, layer if stacked else None, transpose, tuple(file_shape), out)
       )
-  problems += _strays(keys, [leaf.name for leaf in leaves])
+  problems += stray_keys(keys, [leaf.name for leaf in leaves])
   if problems:
     shown = "\n".join(f"  {line}" for line in problems)
     raise ValueError(
@@ -499,7 +499,7 @@ def _write(
       for leaf_axis, file_axis in enumerate(tensor.transpose):
         region[file_axis] = layer[leaf_axis]
       itemsize = max(tensor.dtype.itemsize, leaves[tensor.leaf].dtype.itemsize)
-      for piece in _pieces_in_order(tuple(region), max(1, PIECE_BYTES // itemsize)):
+      for piece in pieces_in_order(tuple(region), max(1, PIECE_BYTES // itemsize)):
         wanted = tuple(piece[file_axis] for file_axis in tensor.transpose)
         if tensor.layer is not None:
           wanted = ((tensor.layer, tensor.layer + 1), *wanted)
