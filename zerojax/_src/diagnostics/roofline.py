@@ -140,7 +140,7 @@ class Cost:
 
   @property
   def flops(self) -> float:
-    """All the matmul and convolution flops, whatever their type."""
+    """The matmul and convolution flops of every type together."""
     return float(sum(self.flops_by_dtype.values()))
 
 
@@ -246,12 +246,12 @@ class Roofline:
 
   @property
   def step_seconds(self) -> float:
-    """The lower bound of the step's time: the busiest unit's seconds."""
+    """The busiest unit's seconds, a lower bound of the step's time."""
     return max(self.compute_seconds, self.memory_seconds, self.within_seconds, self.across_seconds)
 
   @property
   def bound(self) -> str:
-    """Which unit ``step_seconds`` is: ``"compute"``, ``"memory"``, ``"within"`` or ``"across"``."""
+    """The busiest unit, ``"compute"``, ``"memory"``, ``"within"`` or ``"across"``."""
     seconds = {
       "compute": self.compute_seconds,
       "memory": self.memory_seconds,
