@@ -123,3 +123,19 @@ def test_tpu_flops_of_a_scanned_training_step_are_the_analytic_count():
   assert not found["known_trip_count"]
   assert found["flops"] == pytest.approx(matmul_flops(2, tokens), rel=0.1)
   assert found["compute_seconds"] == pytest.approx(found["flops"] / 197e12)
+
+
+def test_xla_gpu_cublas_calls_count_as_matmuls():
+  # As XLA:GPU compiles a matmul with --xla_gpu_enable_triton_gemm=false (the deviceless
+  # environment's flag): a custom-call whose result comes with a scratch workspace.
+  hlo = """
+ENTRY %main (a: bf16[128,256], b: bf16[256,64]) -> bf16[128,64] {
+  %a = bf16[128,256]{1,0} parameter(0)
+  %b = bf16[256,64]{1,0} parameter(1)
+  %gemm = (bf16[128,64]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %out = bf16[128,64]{1,0} get-tuple-element(%gemm), index=0
+}
+  """  # noqa: E501 (one instruction a line, as XLA prints it)
+  cost = program_cost(hlo)
+  assert cost.flops_by_dtype == {"bf16": 2 * 128 * 256 * 64}
+  assert cost.bytes == 2 * (128 * 256 + 256 * 64 + 128 * 64)  # not the workspace

@@ -118,9 +118,10 @@ class Cost:
   """What one step of a compiled program does, loops counted as many times as they run.
 
   Attributes:
-    flops_by_dtype: floating-point operations of the matmuls (``dot``) and
-      convolutions, by the type they multiply in: ``"f32"`` if an operand is
-      float32 (or wider), else the left operand's type (``"bf16"``, ...).
+    flops_by_dtype: floating-point operations of the matmuls (``dot``, and
+      XLA:GPU's cuBLAS calls) and convolutions, by the type they multiply
+      in: ``"f32"`` if an operand is float32 (or wider), else the left
+      operand's type (``"bf16"``, ...).
       Elementwise operations and reductions are not counted: they run on
       vector units, off the matmul peak, and are few beside a layer's matmuls.
     bytes: an estimate of the HBM traffic: for each instruction outside
@@ -153,9 +154,10 @@ def program_cost(hlo: str | jax.stages.Compiled) -> Cost:
   often as the computation that holds it. ``compiled.cost_analysis()``
   counts a loop's body once, so it undercounts a layer scan by its length.
 
-  A ``dot`` counts 2 x its output's elements x the product of its
-  contracting dimensions; a ``convolution`` 2 x its output's elements x its
-  kernel's elements per output feature. See ``Cost`` for the bytes.
+  A ``dot`` (or an XLA:GPU cuBLAS ``custom-call``) counts 2 x its output's
+  elements x the product of its contracting dimensions; a ``convolution``
+  2 x its output's elements x its kernel's elements per output feature.
+  See ``Cost`` for the bytes.
 
   Args:
     hlo: a ``jax.stages.Compiled`` or its ``as_text()``.
@@ -204,7 +206,7 @@ def program_cost(hlo: str | jax.stages.Compiled) -> Cost:
     hbm_bytes += counts.get(name, 0) * sum(map(program.bytes, computations.get(name, ())))
   for name, times in counts.items():
     for instruction in computations.get(name, ()):
-      if instruction.opcode in ("dot", "convolution"):
+      if instruction.opcode in ("dot", "convolution") or _is_gemm(instruction):
         dtype = program.multiply_type(instruction)
         flops[dtype] = flops.get(dtype, 0.0) + times * program.flops(instruction)
   return Cost(dict(sorted(flops.items())), hbm_bytes)
@@ -342,6 +344,8 @@ _NO_TRAFFIC = frozenset(
 )
 #: One array of an HLO shape, with its layout: (type, bit width, dimensions, layout).
 _ARRAY = re.compile(r"\b(pred|[a-z]+(\d+)\w*)\[([<=\d,]*)\](\{[^}]*\})?")
+#: The cuBLAS matmuls XLA:GPU calls, with a dot's dimension numbers in their backend config.
+_GEMM = re.compile(r'custom_call_target="__cublas\$(gemm|lt\$matmul)"')
 #: The memory space of XLA's memory-space assignment's alternate memory (on chip on TPUs).
 _ON_CHIP = re.compile(r"S\(1\)")
 
@@ -359,6 +363,11 @@ def _hbm_bytes(shape: str) -> int:
       elements = math.prod(int(d) for d in re.findall(r"\d+", dims))
       total += -(-elements * (int(bits) if bits else 8) // 8)
   return total
+
+
+def _is_gemm(instruction: hlo_lib._Instruction) -> bool:
+  """Whether an instruction is XLA:GPU's call of a cuBLAS matmul (Triton's are fused ``dot`` s)."""
+  return instruction.opcode == "custom-call" and bool(_GEMM.search(instruction.attributes))
 
 
 def _dimensions(shape: str) -> list[int]:
@@ -398,11 +407,16 @@ class _Program:
 
   def flops(self, instruction: hlo_lib._Instruction) -> float:
     """A dot's or a convolution's multiply-adds, times 2."""
-    output = math.prod(_dimensions(instruction.shape))
-    if instruction.opcode == "dot":
+    output = math.prod(_dimensions(instruction.shape))  # a cuBLAS call's first array
+    if instruction.opcode != "convolution":
       lhs = _dimensions(self.shape(instruction.operands[0]))
-      found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attributes)
-      contracted = [int(d) for d in re.findall(r"\d+", found.group(1))] if found else []
+      found = re.search(
+        r'lhs_contracting_dims=\{([\d,]*)\}|"lhs_contracting_dimensions":\[([\d",]*)\]',
+        instruction.attributes,
+      )
+      contracted = (
+        [int(d) for d in re.findall(r"\d+", "".join(filter(None, found.groups())))] if found else []
+      )
       return 2.0 * output * math.prod(lhs[d] for d in contracted)
     kernel = _dimensions(self.shape(instruction.operands[1]))
     labels = re.search(r"dim_labels=\w*_(\w*)->", instruction.attributes)
@@ -429,6 +443,10 @@ class _Program:
       return 2 * _hbm_bytes(self.shape(instruction.operands[1])) if self._in_hbm(instruction) else 0
     if opcode == "fusion":
       return self._fusion_bytes(instruction)
+    if _is_gemm(instruction):  # its operands and its result, not its scratch workspace
+      output = _ARRAY.search(instruction.shape)
+      written = _hbm_bytes(output.group(0)) if output else 0
+      return written + sum(_hbm_bytes(self.shape(o)) for o in instruction.operands)
     return _hbm_bytes(instruction.shape) + sum(
       _hbm_bytes(self.shape(o)) for o in instruction.operands
     )
