@@ -13,8 +13,10 @@ nodes of 8 H100, v5e slices of 8 to 256 chips, multi-slice v5e;
 ``deviceless_target`` says what each is), build the
 mesh with ``deviceless_mesh``, lower with abstract arrays and compile; on GPU,
 ``scheduler_estimate`` reads XLA's own estimate of the step from the log
-``capture_stderr`` collected meanwhile. See docs/accounting.md and
-docs/performance.md.
+``capture_stderr`` collected meanwhile. ``roofline`` estimates a step's time
+from its compiled program (``program_cost``, loops unrolled) and a ``Chip``'s
+published peaks, a lower bound where XLA gives no estimate (TPU). See
+docs/accounting.md and docs/performance.md.
 """
 
 from zerojax._src.diagnostics.deviceless import (
@@ -29,17 +31,22 @@ from zerojax._src.diagnostics.gpu_log import ComputationEstimate, StepEstimate, 
 from zerojax._src.diagnostics.hlo import Collective, count_collectives, count_collectives_by_axes
 from zerojax._src.diagnostics.overlap import LoopCollectives, loop_collectives
 from zerojax._src.diagnostics.profile import StepProfile, profile
+from zerojax._src.diagnostics.roofline import Chip, Cost, Roofline, chip, program_cost, roofline
 from zerojax._src.diagnostics.slots import pipeline_slots
 
 __all__ = (
   "DEVICELESS_TARGETS",
+  "Chip",
   "Collective",
   "ComputationEstimate",
+  "Cost",
   "DevicelessTarget",
   "LoopCollectives",
+  "Roofline",
   "StepEstimate",
   "StepProfile",
   "capture_stderr",
+  "chip",
   "count_collectives",
   "count_collectives_by_axes",
   "deviceless_environment",
@@ -48,5 +55,7 @@ __all__ = (
   "loop_collectives",
   "pipeline_slots",
   "profile",
+  "program_cost",
+  "roofline",
   "scheduler_estimate",
 )

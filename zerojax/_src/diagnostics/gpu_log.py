@@ -142,7 +142,7 @@ def scheduler_estimate(log: str | list[str], hlo: str | jax.stages.Compiled) -> 
   module = re.match(r"HloModule ([\w.\-]+)", text)
   module_name = module.group(1) if module else None
   computations, entry = hlo_lib.parse_module(text)
-  executions = _executions(computations, entry)
+  executions = hlo_lib.executions(computations, entry)
   logged = _statistics(log, module_name)
   if not logged:
     raise ValueError(
@@ -184,26 +184,6 @@ def _statistics(log: str, module_name: str | None) -> dict[str, tuple[float, flo
       else:
         found[name] = (float(total.group(2)), wasted)
   return found
-
-
-def _executions(computations, entry: str) -> dict[str, int]:
-  """How many times one run of ``entry`` runs each computation it reaches."""
-  counts: dict[str, int] = {}
-
-  def visit(name: str, times: int) -> None:
-    counts[name] = counts.get(name, 0) + times
-    for instruction in computations.get(name, ()):
-      if instruction.opcode.endswith(("-done", "-update")):
-        continue  # an asynchronous op's computation runs once, from its start
-      for role, callees in hlo_lib.CALLEES.findall(instruction.attributes):
-        if role == "condition":
-          continue
-        inner = times * hlo_lib.trip_count(instruction, computations) if role == "body" else times
-        for callee in re.findall(r"[\w.\-]+", callees.replace("%", " ")):
-          visit(callee, inner)
-
-  visit(entry, 1)
-  return counts
 
 
 def _is_body(name: str, computations) -> bool:

@@ -384,6 +384,31 @@ def trip_count(while_op: _Instruction, computations: dict[str, list[_Instruction
   return bounds[0]
 
 
+def executions(computations: dict[str, list[_Instruction]], entry: str) -> dict[str, int]:
+  """How many times one run of ``entry`` runs each computation it reaches.
+
+  A loop body runs its loop's ``trip_count`` times per run of the loop (nested
+  loops multiply); every other callee (fusions, branches, reducers) runs as
+  often as its caller; loop conditions are left out.
+  """
+  counts: dict[str, int] = {}
+
+  def visit(name: str, times: int) -> None:
+    counts[name] = counts.get(name, 0) + times
+    for instruction in computations.get(name, ()):
+      if instruction.opcode.endswith(("-done", "-update")):
+        continue  # an asynchronous op's computation runs once, from its start
+      for role, callees in CALLEES.findall(instruction.attributes):
+        if role == "condition":
+          continue
+        inner = times * trip_count(instruction, computations) if role == "body" else times
+        for callee in re.findall(r"[\w.\-]+", callees.replace("%", " ")):
+          visit(callee, inner)
+
+  visit(entry, 1)
+  return counts
+
+
 def _moved_bytes(instruction: _Instruction, shapes: dict[str, str]) -> int:
   """The logical size one collective works on (see ``Collective.bytes``)."""
   operand_bytes = sum(_shape_bytes(shapes[o]) for o in instruction.operands if o in shapes)

@@ -7,7 +7,6 @@ import re
 import jax
 
 from zerojax._src.diagnostics import hlo as hlo_lib
-from zerojax._src.diagnostics.gpu_log import _executions
 from zerojax._src.pipeline.stage import BACKWARD_SLOT, FORWARD_SLOT
 
 _BODY = re.compile(r"body=%?([\w.\-]+)")
@@ -64,7 +63,7 @@ def pipeline_slots(hlo: str | jax.stages.Compiled) -> tuple[int, int]:
     0.2
   """
   computations, entry = hlo_lib.parse_module(hlo_lib.text_of(hlo))
-  executions = _executions(computations, entry)
+  counts = hlo_lib.executions(computations, entry)
   slot_names = f"{FORWARD_SLOT}|{BACKWARD_SLOT}"
 
   def body_of(loop: hlo_lib._Instruction) -> str:
@@ -84,7 +83,7 @@ def pipeline_slots(hlo: str | jax.stages.Compiled) -> tuple[int, int]:
   by_layers = [0, 0]
   for name, loop in layer_loops:
     if name not in inner:
-      by_layers[0 if FORWARD_SLOT in loop.attributes else 1] += executions.get(name, 0)
+      by_layers[0 if FORWARD_SLOT in loop.attributes else 1] += counts.get(name, 0)
 
   def reached(name: str, seen: set[str]) -> set[str]:
     """``name`` and the computations it calls, transitively."""
@@ -103,5 +102,5 @@ def pipeline_slots(hlo: str | jax.stages.Compiled) -> tuple[int, int]:
     inside = reached(body_of(loop), set())
     for k, slot in enumerate((FORWARD_SLOT, BACKWARD_SLOT)):
       if any(slot in i.attributes for name in inside for i in computations.get(name, ())):
-        by_ticks[k] += executions.get(body_of(loop), 0)
+        by_ticks[k] += counts.get(body_of(loop), 0)
   return max(by_layers[0], by_ticks[0]), max(by_layers[1], by_ticks[1])
