@@ -6,11 +6,13 @@ the estimators predict memory and communication; ``CheckpointManager`` saves
 and resumes; ``load_safetensors`` reads pretrained weights into shards. Reading
 compiled steps lives in ``zerojax.diagnostics``, running on many processes in
 ``zerojax.distributed``, Flax in ``zerojax.flax``, and the command lines in
-``zerojax.launch``, ``zerojax.estimate`` and ``zerojax.export``.
+``zerojax.launch``, ``zerojax.estimate`` and ``zerojax.export``. ``plan`` picks a
+setup for a machine before it exists; its pieces are in ``zerojax.planning``.
 """
 
 from zerojax import diagnostics as diagnostics
 from zerojax import distributed as distributed
+from zerojax import planning as planning
 from zerojax._src.checkpoint.export import export_safetensors, load_params
 from zerojax._src.checkpoint.load import FileKey, load_safetensors
 from zerojax._src.checkpoint.manager import CheckpointManager, StateSpec, train_state_spec
@@ -29,6 +31,7 @@ from zerojax._src.diagnostics.estimate import (
 )
 from zerojax._src.pipeline.loop import pipeline
 from zerojax._src.pipeline.timetable import Timetable, pipeline_timetable
+from zerojax._src.plan.search import plan
 from zerojax._src.sharding.layout import (
   DEFAULT_MIN_SHARD_SIZE,
   Layout,
@@ -73,6 +76,7 @@ __all__ = (
   "load_safetensors",
   "pipeline",
   "pipeline_timetable",
+  "plan",
   "remat_policy",
   "scan",
   "train_state_spec",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Collection
 
 import jax
 
@@ -145,7 +146,7 @@ class Cost:
     return float(sum(self.flops_by_dtype.values()))
 
 
-def program_cost(hlo: str | jax.stages.Compiled) -> Cost:
+def program_cost(hlo: str | jax.stages.Compiled, only: Collection[str] | None = None) -> Cost:
   """The flops and HBM bytes of one step of a compiled program, loops unrolled.
 
   Each computation counts as many times as one step runs it: a while loop's
@@ -161,6 +162,9 @@ def program_cost(hlo: str | jax.stages.Compiled) -> Cost:
 
   Args:
     hlo: a ``jax.stages.Compiled`` or its ``as_text()``.
+    only: count only these computations (by name, with what they call), as
+      often as a step runs them: the loop bodies XLA:GPU's scheduler left
+      out of its estimate (``StepEstimate.silent``), say. ``None``: all.
 
   Returns:
     The ``Cost`` of one step, per device.
@@ -200,9 +204,11 @@ def program_cost(hlo: str | jax.stages.Compiled) -> Cost:
   computations, entry = hlo_lib.parse_module(hlo_lib.text_of(hlo))
   program = _Program(computations)
   counts = hlo_lib.executions(computations, entry)
+  if only is not None:
+    counts = {name: counts[name] for name in _reached(computations, only) if name in counts}
   flops: dict[str, float] = {}
   hbm_bytes = 0.0
-  for name in _control_flow(computations, entry):
+  for name in _control_flow(computations, entry) & counts.keys():
     hbm_bytes += counts.get(name, 0) * sum(map(program.bytes, computations.get(name, ())))
   for name, times in counts.items():
     for instruction in computations.get(name, ()):
@@ -268,6 +274,8 @@ def roofline(
   target: str | deviceless.DevicelessTarget | Chip,
   collective_bytes_within: float = 0.0,
   collective_bytes_across: float = 0.0,
+  *,
+  only: Collection[str] | None = None,
 ) -> Roofline:
   """A roofline estimate of one step of a compiled program on ``target``'s chips.
 
@@ -285,6 +293,7 @@ def roofline(
       an array of ``n`` bytes over ``d`` devices sends ``n * (d - 1) / d``
       (``count_collectives`` reports ``n``), an all-reduce twice that.
     collective_bytes_across: the same over the links between nodes or slices.
+    only: as for ``program_cost``: the computations to count.
 
   Returns:
     The ``Roofline``.
@@ -306,7 +315,7 @@ def roofline(
     (0.246, 0.25)
   """
   peaks = target if isinstance(target, Chip) else chip(target)
-  cost = program_cost(hlo)
+  cost = program_cost(hlo, only)
   compute = sum(
     flops / (peaks.float32_flops if dtype in _FLOAT32_RATE else peaks.bfloat16_flops)
     for dtype, flops in cost.flops_by_dtype.items()
@@ -374,6 +383,20 @@ def _dimensions(shape: str) -> list[int]:
   """The dimensions of an array shape: ``"f32[8,16]{1,0}"`` -> ``[8, 16]``."""
   found = _ARRAY.search(shape)
   return [int(d) for d in re.findall(r"\d+", found.group(3))] if found else []
+
+
+def _reached(computations, names: Collection[str]) -> set[str]:
+  """``names`` and every computation they call, directly or not."""
+  found: set[str] = set()
+  todo = list(names)
+  while todo:
+    name = todo.pop()
+    if name not in found:
+      found.add(name)
+      for instruction in computations.get(name, ()):
+        for _, callees in hlo_lib.CALLEES.findall(instruction.attributes):
+          todo += re.findall(r"[\w.\-]+", callees.replace("%", " "))
+  return found
 
 
 def _control_flow(computations, entry: str) -> set[str]:

@@ -1,0 +1,233 @@
+"""One candidate compiled: does it fit, what does it hold and move, how long might it take.
+
+``compile_setup`` builds a ``Setup`` 's step for a program on a machine's
+mesh, compiles it (for a deviceless target, in a process started with its
+environment) and reads the compiled program: the compiler's own refusal or
+the memory per device against the device's, the bytes its collectives move
+within and across nodes, and an estimated step time: XLA:GPU's scheduler's
+on GPUs, a roofline from the compiled program and the chip's published peaks
+on TPUs (XLA:TPU prints no estimate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from zerojax._src.diagnostics import deviceless, gpu_log, hlo, roofline
+from zerojax._src.plan import program as program_lib
+from zerojax._src.plan.setup import Setup
+
+#: The name of the machine this process runs on, for ``zerojax.plan`` and ``compile_setup``.
+LOCAL = "local"
+#: What the compilers say when a program does not fit the device.
+_REFUSALS = ("RESOURCE_EXHAUSTED", "Ran out of memory", "exceeds the memory", "out of memory")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """What compiling one ``Setup`` for a machine showed.
+
+  Attributes:
+    setup: the candidate.
+    fits: whether the step fits a device: compiled, and its peak memory
+      within the device's.
+    error: the compiler's refusal, or why the setup could not be built.
+    memory: bytes per device by kind: ``arguments`` (parameters, optimizer
+      state, batch), ``outputs``, ``aliased`` (outputs in donated inputs),
+      ``temporaries``, ``peak`` (their sum less ``aliased``), ``host``
+      (host memory the step uses), ``device`` (the device's capacity).
+    within_bytes: bytes a device sends over the links inside its node per step.
+    across_bytes: bytes a device sends across nodes (GPU hosts, TPU slices).
+    step_seconds: the estimated step time, or ``None``.
+    estimate: where ``step_seconds`` comes from.
+    examples: the global batch, in examples.
+    tokens_per_second: ``examples`` times the program's tokens an example,
+      over ``step_seconds``.
+    mfu: model FLOPs utilisation at ``step_seconds``: ``6 x parameters x
+      tokens`` over the step time and the devices' peak bf16 FLOP/s.
+    compile_seconds: how long compiling took here.
+  """
+
+  setup: Setup
+  fits: bool
+  error: str | None = None
+  memory: dict[str, int] = dataclasses.field(default_factory=dict)
+  within_bytes: float = 0.0
+  across_bytes: float = 0.0
+  step_seconds: float | None = None
+  estimate: str = ""
+  examples: int = 0
+  tokens_per_second: float | None = None
+  mfu: float | None = None
+  compile_seconds: float = 0.0
+
+  @property
+  def out_of_memory(self) -> bool:
+    """Whether the step needs more memory than a device has (the compiler refused it, or its
+    peak is over the device's), rather than being refused for its options."""
+    if self.error is not None:
+      return any(refusal in self.error for refusal in _REFUSALS)
+    return not self.fits
+
+  def to_json(self) -> dict[str, Any]:
+    """The outcome as a JSON object (``Outcome.from_json`` reads it back)."""
+    return {**dataclasses.asdict(self), "setup": self.setup.to_json()}
+
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> Outcome:
+    """The outcome ``to_json`` wrote."""
+    return cls(**{**data, "setup": Setup(**data["setup"])})
+
+
+def mesh_shape(target: str, setup: Setup) -> tuple[tuple[int, ...], tuple[str, ...]]:
+  """The shape and axis names of the mesh ``setup`` runs on: ``("stage", "data")`` for a
+  pipeline, ``("node", "data")`` for sharding that tells nodes apart, else one ``"data"``
+  axis over every device."""
+  devices, nodes = machine(target)
+  if setup.pipeline > 1:
+    return (setup.pipeline, devices // setup.pipeline), ("stage", "data")
+  if setup.sharding != "full" or setup.quantized_weights or setup.quantized_gradients:
+    return (nodes, devices // nodes), ("node", "data")
+  return (devices,), ("data",)
+
+
+def machine(target: str) -> tuple[int, int]:
+  """How many devices and nodes (GPU hosts, TPU slices; processes for ``"local"``) ``target``
+  has, read without compiling for it."""
+  if target == LOCAL:
+    return jax.device_count(), jax.process_count()
+  found = deviceless.find_target(target)
+  return found.device_count, found.hosts
+
+
+def _mesh(target: str, setup: Setup) -> Mesh:
+  shape, names = mesh_shape(target, setup)
+  devices = jax.devices() if target == LOCAL else deviceless.find_target(target).devices()
+  grid = np.array(devices, dtype=object).reshape(shape)
+  return Mesh(grid, names, axis_types=(AxisType.Explicit,) * len(shape))
+
+
+def device_bytes(target: str) -> int:
+  """A device's memory: the target's, or what this process's first device reports."""
+  if target != LOCAL:
+    return deviceless.find_target(target).hbm_bytes
+  stats = jax.devices()[0].memory_stats() or {}
+  return int(stats.get("bytes_limit", 0)) or 2**63
+
+
+def compile_setup(program: program_lib.Program, setup: Setup, target: str) -> Outcome:
+  """Compiles ``setup`` 's training step of ``program`` for ``target`` and reads it.
+
+  Args:
+    program: the model.
+    setup: the candidate.
+    target: one of ``zerojax.diagnostics.DEVICELESS_TARGETS`` (in a process
+      started with ``deviceless_environment(target)``), or ``"local"`` for
+      this process's devices.
+
+  Returns:
+    The ``Outcome``. A setup the compiler refuses, or that zerojax refuses
+    to build (a ``ValueError``), is an outcome with ``fits=False`` and the
+    refusal in ``error``.
+  """
+  start = time.perf_counter()
+  try:
+    mesh = _mesh(target, setup)
+    tx = program_lib.optimizer(program, setup, mesh)
+    step = program_lib.step_function(program, setup, tx)
+    with jax.set_mesh(mesh):
+      arguments = program_lib.abstract_arguments(program, setup, tx, mesh)
+      lowered = jax.jit(step, donate_argnums=(0, 1)).lower(*arguments)
+    with deviceless.capture_stderr() as log:
+      compiled = lowered.compile()
+  except Exception as error:  # the compiler's refusal is the verdict on fitting
+    message = str(error).strip().splitlines()[0][:500] if str(error).strip() else repr(error)
+    if not isinstance(error, ValueError) and not any(r in str(error) for r in _REFUSALS):
+      raise
+    return Outcome(setup, False, message, compile_seconds=time.perf_counter() - start)
+  return _read(program, setup, target, mesh, compiled, log[0], time.perf_counter() - start)
+
+
+def _read(program, setup, target, mesh, compiled, log: str, seconds: float) -> Outcome:
+  analysis = compiled.memory_analysis()
+  memory = {
+    "arguments": analysis.argument_size_in_bytes,
+    "outputs": analysis.output_size_in_bytes,
+    "aliased": analysis.alias_size_in_bytes,
+    "temporaries": analysis.temp_size_in_bytes,
+    "host": getattr(analysis, "host_temp_size_in_bytes", 0)
+    + getattr(analysis, "host_argument_size_in_bytes", 0),
+    "device": device_bytes(target),
+  }
+  memory["peak"] = (
+    memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
+  )
+  text = compiled.as_text()
+  within, across = link_bytes(text, mesh)
+  examples = setup.batch * mesh.size // setup.pipeline
+  seconds_estimate, source = _step_time(target, text, log, compiled, within, across)
+  tokens = examples * program.tokens_per_example
+  speed = tokens / seconds_estimate if seconds_estimate else None
+  mfu = None
+  if speed and target != LOCAL:
+    peak = roofline.chip(target).bfloat16_flops * mesh.size
+    mfu = 6 * program.parameters * speed / peak
+  return Outcome(
+    setup,
+    fits=memory["peak"] <= memory["device"],
+    error=None,
+    memory=memory,
+    within_bytes=within,
+    across_bytes=across,
+    step_seconds=seconds_estimate,
+    estimate=source,
+    examples=examples,
+    tokens_per_second=speed,
+    mfu=mfu,
+    compile_seconds=seconds,
+  )
+
+
+#: How many times its logical size (``zerojax.diagnostics.Collective.bytes``) a collective
+#: sends from each device over its links, for rings of many devices: an all-reduce is a
+#: reduce-scatter and an all-gather.
+_SENT = {"all-reduce": 2.0}
+
+
+def link_bytes(text: str, mesh: Mesh) -> tuple[float, float]:
+  """Bytes a device sends per step inside its node and across nodes.
+
+  The ``node`` mesh axis (nodes, or TPU slices) is across; every other axis
+  inside. Without a ``node`` axis, a target of several hosts is counted as
+  inside, which overstates its speed: the planner puts the node axis in
+  every mesh whose sharding depends on it.
+  """
+  by_axes = hlo.count_collectives_by_axes(text, mesh)
+  within = across = 0.0
+  for axes, kinds in by_axes.items():
+    sent = sum(c.bytes * _SENT.get(kind, 1.0) for kind, c in kinds.items())
+    if "node" in axes and mesh.shape["node"] > 1:
+      across += sent
+    else:
+      within += sent
+  return within, across
+
+
+def _step_time(target, text, log, compiled, within, across) -> tuple[float | None, str]:
+  if target == LOCAL:
+    return None, ""
+  if deviceless.find_target(target).platform == "cuda":
+    estimate = gpu_log.scheduler_estimate(log, compiled)
+    if not estimate.silent:
+      # XLA:GPU's cost model counts in microseconds (docs/planning.md shows the check).
+      return estimate.cycles * 1e-6, "XLA:GPU's scheduler"
+    # Loops without collectives are not logged: price those from the roofline.
+    rest = roofline.roofline(text, target, only=estimate.silent).step_seconds
+    return estimate.cycles * 1e-6 + rest, "XLA:GPU's scheduler + roofline of silent loops"
+  return roofline.roofline(text, target, within, across).step_seconds, "roofline"
