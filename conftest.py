@@ -29,6 +29,7 @@ MODULE_SECONDS = {
   "test_big_models": 60,
   "test_accelerators": 80,
   "test_user_layers": 50,
+  "test_plan": 60,
   "test_export_pretrained": 40,
   "test_activation_offload": 35,
   "test_quantize": 46,

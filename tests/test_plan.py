@@ -123,3 +123,12 @@ def test_the_command_line_prints_the_table_and_the_code(plans, capsys, tmp_path)
   printed = capsys.readouterr().out
   assert "the plan's pick" in printed and "| setup | fits |" in printed
   assert len(json.loads(out.read_text())) == len(SPACE.setups(layers=4, devices=8, nodes=1))
+
+
+def test_measuring_times_the_candidates_on_this_machine(tmp_path):
+  space = Space(stages=(2, 3), remat=("full",), batches=(2,))
+  found = zerojax.plan(plan_program.TINY, "local", space=space, cache=tmp_path, measure=2)
+  assert [o.estimate for o in found.outcomes] == ["measured", "measured"]
+  assert found.best.step_seconds == min(o.step_seconds for o in found.outcomes) > 0
+  with pytest.raises(ValueError, match="compiled for, not here"):
+    zerojax.plan(plan_program.TINY, "v5e-8", space=space, measure=1)

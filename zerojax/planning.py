@@ -6,7 +6,7 @@ ZeRO++, what the backward pass keeps, offload, pipeline stages, batch per
 device); ``plan`` compiles each candidate for a machine this one need not be
 (``zerojax.diagnostics.DEVICELESS_TARGETS``) in worker processes, reads
 whether it fits, its memory and bytes across nodes and an estimated step
-time, and returns a ``Plan``; ``table`` and ``code`` print it. From a shell::
+time, and returns a ``Plan`` (``zerojax.plan``); ``table`` and ``code`` print it. From a shell::
 
   zerojax-plan examples/plan/model.py:program --target v5e-64 --batches 1,2,4
 
@@ -17,7 +17,7 @@ from zerojax._src.plan.cli import main
 from zerojax._src.plan.compile import Outcome, compile_setup
 from zerojax._src.plan.program import Program
 from zerojax._src.plan.report import code, table
-from zerojax._src.plan.search import Plan, plan
+from zerojax._src.plan.search import Plan
 from zerojax._src.plan.setup import REMAT, SHARDING, Setup, Space
 
 __all__ = (
@@ -31,7 +31,6 @@ __all__ = (
   "code",
   "compile_setup",
   "main",
-  "plan",
   "table",
 )
 

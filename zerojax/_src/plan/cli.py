@@ -74,7 +74,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-  """Runs ``zerojax-plan``."""
+  """Runs ``zerojax-plan``: the plan's table, then the winner as code.
+
+  Example:
+    From a shell (``--exhaustive`` compiles every setup, ``--json`` keeps them all)::
+
+      zerojax-plan tests.plan_program:TINY --target v5e-8 --stages 2,3 --batches 1,4
+  """
   args = parser().parse_args(argv)
   space = Space(
     stages=args.stages,

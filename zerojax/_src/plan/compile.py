@@ -41,7 +41,8 @@ class Outcome:
     memory: bytes per device by kind: ``arguments`` (parameters, optimizer
       state, batch), ``outputs``, ``aliased`` (outputs in donated inputs),
       ``temporaries``, ``peak`` (their sum less ``aliased``), ``host``
-      (host memory the step uses), ``device`` (the device's capacity).
+      (host memory the step uses), ``device`` (the device's capacity);
+      ``None`` if it did not compile.
     within_bytes: bytes a device sends over the links inside its node per step.
     across_bytes: bytes a device sends across nodes (GPU hosts, TPU slices).
     step_seconds: the estimated step time, or ``None``.
@@ -52,12 +53,18 @@ class Outcome:
     mfu: model FLOPs utilisation at ``step_seconds``: ``6 x parameters x
       tokens`` over the step time and the devices' peak bf16 FLOP/s.
     compile_seconds: how long compiling took here.
+
+  Example:
+    >>> from zerojax.planning import Outcome, Setup
+    >>> refused = Outcome(Setup(batch=64), fits=False, error="RESOURCE_EXHAUSTED: 17 GiB")
+    >>> refused.out_of_memory, Outcome(Setup(), False, "ValueError: ...").out_of_memory
+    (True, False)
   """
 
   setup: Setup
   fits: bool
   error: str | None = None
-  memory: dict[str, int] = dataclasses.field(default_factory=dict)
+  memory: dict[str, int] | None = None
   within_bytes: float = 0.0
   across_bytes: float = 0.0
   step_seconds: float | None = None
@@ -135,6 +142,14 @@ def compile_setup(program: program_lib.Program, setup: Setup, target: str) -> Ou
     The ``Outcome``. A setup the compiler refuses, or that zerojax refuses
     to build (a ``ValueError``), is an outcome with ``fits=False`` and the
     refusal in ``error``.
+
+  Example:
+    In a process started with ``deviceless_environment("v5e-8")`` (``zerojax.plan``'s
+    workers are)::
+
+      from zerojax.planning import Setup, compile_setup
+      outcome = compile_setup(program, Setup(remat="dots", batch=4), "v5e-8")
+      outcome.fits, outcome.memory["peak"], outcome.step_seconds
   """
   start = time.perf_counter()
   try:
@@ -192,6 +207,31 @@ def _read(program, setup, target, mesh, compiled, log: str, seconds: float) -> O
     mfu=mfu,
     compile_seconds=seconds,
   )
+
+
+def measure_setup(program: program_lib.Program, setup: Setup, steps: int = 3) -> float:
+  """The median seconds of ``steps`` training steps of ``setup`` run on this process's devices.
+
+  The parameters are ``program.init`` 's, the batch zeros; one untimed step
+  compiles and warms up first.
+  """
+  mesh = _mesh(LOCAL, setup)
+  tx = program_lib.optimizer(program, setup, mesh)
+  step = jax.jit(program_lib.step_function(program, setup, tx), donate_argnums=(0, 1))
+  with jax.set_mesh(mesh):
+    _, _, batch = program_lib.abstract_arguments(program, setup, tx, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, program_lib.placed_params(program, setup, mesh))
+    init = lambda key: program_lib.restacked(program.init(key), setup)
+    params = tx.shard(jax.jit(init, out_shardings=shardings)(jax.random.key(0)))
+    opt_state = tx.init(params)
+    arrays = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype, device=x.sharding), batch)
+    times = []
+    for _ in range(steps + 1):
+      begin = time.perf_counter()
+      params, opt_state, loss = step(params, opt_state, arrays)
+      loss.block_until_ready()
+      times.append(time.perf_counter() - begin)
+  return float(np.median(times[1:]))
 
 
 #: How many times its logical size (``zerojax.diagnostics.Collective.bytes``) a collective

@@ -29,6 +29,8 @@ from zerojax._src.step import value_and_grad as value_and_grad_lib
 
 #: The stacked layers' key in a program's parameters.
 LAYERS = "layers"
+#: The optimizer a ``Program`` that names none is planned with (its state: two moments).
+DEFAULT_OPTIMIZER = optax.adamw(1e-4)
 #: The pipeline's mesh axis.
 STAGE = "stage"
 
@@ -88,9 +90,7 @@ class Program:
   layer: Callable[[Any, Any], Any]
   head: Callable[[Any, Any, Any], jax.Array]
   batch: Callable[[int], Any]
-  optimizer: optax.GradientTransformation = dataclasses.field(
-    default_factory=lambda: optax.adamw(1e-4)
-  )
+  optimizer: optax.GradientTransformation = DEFAULT_OPTIMIZER
   precision: str | None = None
   names: tuple[str, ...] = ()
   tokens_per_example: int = 1
@@ -209,26 +209,35 @@ def step_function(program: Program, setup: Setup, tx: Any) -> Callable[..., Any]
   return step
 
 
+def restacked(params: dict[str, Any], setup: Setup) -> dict[str, Any]:
+  """``params`` with a pipeline's layers stacked by stage: ``(layers, ...)`` to ``(stages,
+  layers // stages, ...)``; as they are without a pipeline."""
+  if setup.pipeline == 1:
+    return params
+  restack = lambda x: x.reshape(setup.pipeline, x.shape[0] // setup.pipeline, *x.shape[1:])
+  return {**params, LAYERS: jax.tree.map(restack, params[LAYERS])}
+
+
+def placed_params(program: Program, setup: Setup, mesh: jax.sharding.Mesh) -> Any:
+  """The whole parameters as ``jax.ShapeDtypeStruct`` s on ``mesh``: replicated, but a
+  pipeline's layers over its stages."""
+  params = jax.eval_shape(lambda p: restacked(p, setup), program.abstract_params())
+  staged = lambda path: P(STAGE) if path[0].key == LAYERS and setup.pipeline > 1 else P()
+  return jax.tree_util.tree_map_with_path(
+    lambda path, x: _described(x, NamedSharding(mesh, staged(path))), params
+  )
+
+
 def abstract_arguments(program: Program, setup: Setup, tx: Any, mesh: jax.sharding.Mesh):
   """The step's arguments as ``jax.ShapeDtypeStruct`` s placed on ``mesh``: the stored
   parameters, the optimizer state and the global batch (``setup.batch`` a data rank)."""
-  params = program.abstract_params()
-  if setup.pipeline > 1:
-    params[LAYERS] = jax.tree.map(lambda x: _by_stage(x, setup.pipeline), params[LAYERS])
-  staged = lambda path: P(STAGE) if path[0].key == LAYERS and setup.pipeline > 1 else P()
-  placed = jax.tree_util.tree_map_with_path(
-    lambda path, x: _described(x, NamedSharding(mesh, staged(path))), params
-  )
+  placed = placed_params(program, setup, mesh)
   stored = jax.tree.map(_described, jax.eval_shape(tx.shard, placed), tx.param_shardings(placed))
   state = jax.tree.map(_described, jax.eval_shape(tx.init, placed), tx.state_shardings(placed))
   ranks = mesh.size // setup.pipeline
   rows = NamedSharding(mesh, P(tx.batch_axes))
   batch = jax.tree.map(lambda x: _described(x, rows), program.batch(setup.batch * ranks))
   return stored, state, batch
-
-
-def _by_stage(x: jax.ShapeDtypeStruct, stages: int) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct((stages, x.shape[0] // stages, *x.shape[1:]), x.dtype)
 
 
 def _described(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:

@@ -19,6 +19,14 @@ def table(plan: Plan, limit: int | None = None) -> str:
 
   Returns:
     The table, and a line on what was pruned and how long the plan took.
+
+  Example:
+    >>> from zerojax.planning import Outcome, Plan, Setup, table
+    >>> memory = {"peak": 3 * 2**30, "device": 16 * 2**30}
+    >>> fits = Outcome(Setup(batch=2), True, memory=memory, step_seconds=0.5,
+    ...                estimate="roofline", tokens_per_second=4096.0, mfu=0.41)
+    >>> print(table(Plan("model.py:program", "v5e-8", (fits,), (), 12.0)).splitlines()[2])
+    | zero3, batch=2 | yes | 3.00 | 0.00 | 0.5 | 4,096 | 41% |
   """
   rows = [*plan.fitting, *(o for o in plan.outcomes if not o.fits)]
   lines = [
@@ -57,6 +65,15 @@ def code(plan: Plan, setup: Setup | None = None) -> str:
 
   Raises:
     ValueError: if no candidate fits and no ``setup`` is given.
+
+  Example:
+    ``print(zerojax.planning.code(plan))`` after a plan of the tiny test model
+    (docs/planning.md shows one), for an 8 x H100 node::
+
+      # zero2, remat=dots, batch=4 on h100x8: the plan's pick.
+      mesh = jax.make_mesh((8,), ('data',))
+      tx = zerojax.zero2(optimizer, mesh=mesh, axis_name='data')
+      ...
   """
   if setup is None:
     if plan.best is None:

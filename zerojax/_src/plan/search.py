@@ -39,6 +39,14 @@ class Plan:
     pruned: candidates not compiled, since a smaller one did not fit.
     seconds: how long the plan took.
     cached: how many outcomes came from the cache.
+
+  Example:
+    >>> from zerojax.planning import Outcome, Plan, Setup
+    >>> small = Outcome(Setup(batch=1), True, memory={"peak": 1}, tokens_per_second=10.0)
+    >>> big = Outcome(Setup(batch=2), True, memory={"peak": 2}, tokens_per_second=15.0)
+    >>> found = Plan("model.py:program", "v5e-8", (small, big), pruned=(), seconds=1.0)
+    >>> found.best.setup.batch, found.outcome(Setup(batch=1)) is small
+    (2, True)
   """
 
   program: str
@@ -74,6 +82,7 @@ def plan(
   cache: str | os.PathLike | None = DEFAULT_CACHE,
   progress: Callable[[str], None] | None = None,
   prune: bool = True,
+  measure: int = 0,
 ) -> Plan:
   """Compiles ``program`` 's candidate setups for ``target`` and picks the fastest that fits.
 
@@ -96,15 +105,34 @@ def plan(
       to standard error).
     prune: skip candidates that hold at least what a non-fitting one holds;
       ``False`` compiles the whole space.
+    measure: with ``target="local"`` (on the accelerators themselves), run
+      this many of the fitting candidates for real (the fastest in the
+      estimate first; all of them where there is no estimate, as on CPUs)
+      and rank them by their measured step time (the median of 3 steps).
 
   Returns:
     The ``Plan``: ``plan.best`` is the winner, ``zerojax.planning.code(plan)``
     the code that builds it.
 
+  Example:
+    For the tiny model the planner's tests use (``tests/plan_program.py``)::
+
+      import zerojax
+      found = zerojax.plan("tests.plan_program:TINY", "v5e-8",
+                           space=zerojax.planning.Space(batches=(1, 4)))
+      found.best.setup, found.best.tokens_per_second
+      print(zerojax.planning.code(found))
+
   Raises:
     ValueError: for an unknown target, a program the workers cannot import,
-      or a space with no setup for this program and machine.
+      a space with no setup for this program and machine, or ``measure``
+      for a target this machine does not have.
   """
+  if measure and target != LOCAL:
+    raise ValueError(
+      f"measure={measure} runs the candidates on this machine's devices, and {target} is "
+      "compiled for, not here: plan with target='local' on the accelerators' host to measure."
+    )
   start = time.perf_counter()
   ref = workers_lib.reference(program)
   loaded = workers_lib.load(ref)
@@ -147,7 +175,24 @@ def plan(
   finally:
     for worker in pool:
       worker.close()
+  if measure:
+    outcomes = _measured(loaded, outcomes, measure, say)
   return Plan(ref, target, tuple(outcomes), tuple(pruned), time.perf_counter() - start, cached)
+
+
+def _measured(program, outcomes: list[Outcome], count: int, say) -> list[Outcome]:
+  """``outcomes`` with the ``count`` fastest fitting ones timed on this process's devices."""
+  fitting = [o for o in outcomes if o.fits]
+  fitting.sort(key=lambda o: -(o.tokens_per_second or 0.0))
+  timed = {}
+  for outcome in fitting[:count]:
+    seconds = compile_lib.measure_setup(program, outcome.setup)
+    speed = outcome.examples * program.tokens_per_example / seconds
+    timed[outcome.setup] = dataclasses.replace(
+      outcome, step_seconds=seconds, estimate="measured", tokens_per_second=speed
+    )
+    say(f"measured {outcome.setup.describe()}: {seconds * 1e3:.1f} ms a step")
+  return [timed.get(o.setup, o) for o in outcomes]
 
 
 def _compile(free: queue.Queue[workers_lib.Worker], setup: Setup) -> Outcome:
