@@ -26,11 +26,16 @@ Run::
   python benchmarks/remat.py --only 7.5B:v5e-64 --markdown docs/big_models.md
   python benchmarks/remat.py --only 70B:v5e-256 --settings "full remat" --settings "dots saved"
   python benchmarks/remat.py --only 7.5B:v5e-64 --largest "full remat"
+  python benchmarks/remat.py --only 7.5B:v5e-64 --layers 8 --settings "full remat"
+
+``--layers`` compiles the model with fewer (or more) layers, cached apart: how
+the temporaries grow with depth.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -80,12 +85,23 @@ def key(setting: str, side: str, sequences: int) -> str:
   return f"{setting} | {side} | {sequences}"
 
 
+def config_of(model: str, layers: int | None) -> transformer.Config:
+  """``model``'s shape, with ``layers`` layers if given."""
+  config = transformer.CONFIGS[model]
+  return config if layers is None else dataclasses.replace(config, layers=layers)
+
+
+def cache_path(cache: Path, model: str, target: str, layers: int | None) -> Path:
+  depth = "" if layers is None else f"-{layers}layers"
+  return cache / f"{model}{depth}-{target}.json"
+
+
 class Compiler:
   """Compiles ``model``'s training step on ``target`` (in a process started for it), caching
   each program's row in ``path`` as soon as it is compiled."""
 
-  def __init__(self, model: str, target: str, path: Path, again: bool):
-    self.model, self.target, self.path = model, target, path
+  def __init__(self, config: transformer.Config, target: str, path: Path, again: bool):
+    self.config, self.target, self.path = config, target, path
     self.machine = deviceless_target(target)
     self.rows = {} if again or not path.exists() else json.loads(path.read_text())
     self.programs: dict[int, big_models.Programs] = {}
@@ -94,15 +110,14 @@ class Compiler:
     name = key(setting, side, sequences)
     if name not in self.rows:
       if sequences not in self.programs:
-        config = transformer.CONFIGS[self.model]
-        self.programs[sequences] = big_models.Programs(config, self.target, sequences)
+        self.programs[sequences] = big_models.Programs(self.config, self.target, sequences)
       programs = self.programs[sequences]
       clock = report.Clock()
       tx = programs.bf16_reductions_tx if side == BF16_REDUCTIONS else programs.tx
       row = big_models.measure(programs.train, side != "GSPMD FSDP", tx, KEEPS[setting])
       self.rows[name] = row | {"seconds": clock.elapsed()}
       self.path.write_text(json.dumps(self.rows, indent=1))
-      print(f"{self.model} on {self.target}, {name}: {self.rows[name]}", flush=True)
+      print(f"{self.config.layers} layers on {self.target}, {name}: {self.rows[name]}", flush=True)
     return self.rows[name]
 
   def fits(self, setting: str, side: str, sequences: int) -> bool:
@@ -126,7 +141,7 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
   """``name``'s cached rows, after compiling in a process of its machine what is missing."""
   model, target = name.split(":")
   args.cache.mkdir(parents=True, exist_ok=True)
-  path = args.cache / f"{model}-{target}.json"
+  path = cache_path(args.cache, model, target, args.layers)
   if args.cached:
     return json.loads(path.read_text()) if path.exists() else {}
   env = {**os.environ, **deviceless_environment(target, scheduler_log=False)}
@@ -142,6 +157,7 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
   for side in args.sides or ():
     command += ["--sides", side]
   command += ["--again"] if args.again else []
+  command += [] if args.layers is None else ["--layers", str(args.layers)]
   subprocess.run(command, env=env, check=True)
   return json.loads(path.read_text())
 
@@ -151,7 +167,8 @@ def child(args: argparse.Namespace) -> None:
 
   print(f"zerojax from {zerojax.__file__}", flush=True)
   model, target = args.child.split(":")
-  compiler = Compiler(model, target, args.cache / f"{model}-{target}.json", args.again)
+  path = cache_path(args.cache, model, target, args.layers)
+  compiler = Compiler(config_of(model, args.layers), target, path, args.again)
   for setting in args.settings or KEEPS:
     for side in args.sides or SIDES:
       compiler.row(setting, side)
@@ -161,10 +178,10 @@ def child(args: argparse.Namespace) -> None:
       compiler.path.write_text(json.dumps(compiler.rows, indent=1))
 
 
-def section(name: str, rows: dict[str, Any]) -> list[str]:
+def section(name: str, rows: dict[str, Any], layers: int | None = None) -> list[str]:
   """The table of ``name``'s settings at one sequence a device, zerojax's rows beside GSPMD's."""
   model, target = name.split(":")
-  config, machine = transformer.CONFIGS[model], deviceless_target(target)
+  config, machine = config_of(model, layers), deviceless_target(target)
   layer = 2 * config.layer_parameters / GIB  # one layer in the compute dtype, bfloat16
   cell = lambda row, k: f"{row[k]:.2f}" if row.get(k) is not None else "-"
   lines = []
@@ -255,6 +272,7 @@ def main() -> None:
   parser.add_argument("--settings", action="append", choices=tuple(KEEPS))
   parser.add_argument("--largest", action="append", choices=tuple(KEEPS))
   parser.add_argument("--sides", action="append", choices=(*SIDES, BF16_REDUCTIONS))
+  parser.add_argument("--layers", type=int, help="compile the model with this many layers")
   parser.add_argument("--cache", type=Path, default=Path("/tmp/zerojax-remat"))
   parser.add_argument("--again", action="store_true", help="compile again what is cached")
   parser.add_argument("--cached", action="store_true", help="compile nothing: show the cache")
@@ -266,7 +284,7 @@ def main() -> None:
   lines = []
   for name in args.only or big_models.RUNS:
     rows = run(name, args)
-    lines += section(name, rows) if rows else []
+    lines += section(name, rows, args.layers) if rows else []
   text = "\n".join(
     [
       *lines,
