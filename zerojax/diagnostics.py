@@ -30,6 +30,8 @@ from zerojax._src.diagnostics.deviceless import mesh as deviceless_mesh
 from zerojax._src.diagnostics.gpu_log import ComputationEstimate, StepEstimate, scheduler_estimate
 from zerojax._src.diagnostics.hlo import Collective, count_collectives, count_collectives_by_axes
 from zerojax._src.diagnostics.overlap import LoopCollectives, loop_collectives
+from zerojax._src.diagnostics.process import DevicelessProcess
+from zerojax._src.diagnostics.process import find as find_by_name
 from zerojax._src.diagnostics.profile import StepProfile, profile
 from zerojax._src.diagnostics.roofline import Chip, Cost, Roofline, chip, program_cost, roofline
 from zerojax._src.diagnostics.slots import pipeline_slots
@@ -40,6 +42,7 @@ __all__ = (
   "Collective",
   "ComputationEstimate",
   "Cost",
+  "DevicelessProcess",
   "DevicelessTarget",
   "LoopCollectives",
   "Roofline",
@@ -52,6 +55,7 @@ __all__ = (
   "deviceless_environment",
   "deviceless_mesh",
   "deviceless_target",
+  "find_by_name",
   "loop_collectives",
   "pipeline_slots",
   "profile",

@@ -20,11 +20,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from zerojax._src.diagnostics import deviceless, gpu_log, hlo, roofline
+from zerojax._src.diagnostics.process import LOCAL
 from zerojax._src.plan import program as program_lib
 from zerojax._src.plan.setup import Setup
 
-#: The name of the machine this process runs on, for ``zerojax.plan`` and ``compile_setup``.
-LOCAL = "local"
 #: What the compilers say when a program does not fit the device.
 _REFUSALS = ("RESOURCE_EXHAUSTED", "Ran out of memory", "exceeds the memory", "out of memory")
 
@@ -94,12 +93,13 @@ class Outcome:
 
 def mesh_shape(target: str, setup: Setup) -> tuple[tuple[int, ...], tuple[str, ...]]:
   """The shape and axis names of the mesh ``setup`` runs on: ``("stage", "data")`` for a
-  pipeline, ``("node", "data")`` for sharding that tells nodes apart, else one ``"data"``
-  axis over every device."""
+  pipeline, ``("node", "data")`` on a machine of several nodes (GPU hosts, TPU slices), else
+  one ``"data"`` axis over every device. Devices are laid out in the target's order, node by
+  node, so a pipeline's stages split the nodes between them."""
   devices, nodes = machine(target)
   if setup.pipeline > 1:
     return (setup.pipeline, devices // setup.pipeline), ("stage", "data")
-  if setup.sharding != "full" or setup.quantized_weights or setup.quantized_gradients:
+  if nodes > 1:
     return (nodes, devices // nodes), ("node", "data")
   return (devices,), ("data",)
 
@@ -184,7 +184,7 @@ def _read(program, setup, target, mesh, compiled, log: str, seconds: float) -> O
     memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
   )
   text = compiled.as_text()
-  within, across = link_bytes(text, mesh)
+  within, across = link_bytes(text, mesh, machine(target)[1])
   examples = setup.batch * mesh.size // setup.pipeline
   seconds_estimate, source = _step_time(target, text, log, compiled, within, across)
   tokens = examples * program.tokens_per_example
@@ -240,19 +240,23 @@ def measure_setup(program: program_lib.Program, setup: Setup, steps: int = 3) ->
 _SENT = {"all-reduce": 2.0}
 
 
-def link_bytes(text: str, mesh: Mesh) -> tuple[float, float]:
+def link_bytes(text: str, mesh: Mesh, nodes: int) -> tuple[float, float]:
   """Bytes a device sends per step inside its node and across nodes.
 
-  The ``node`` mesh axis (nodes, or TPU slices) is across; every other axis
-  inside. Without a ``node`` axis, a target of several hosts is counted as
-  inside, which overstates its speed: the planner puts the node axis in
-  every mesh whose sharding depends on it.
+  A collective is across nodes if one of the mesh axes it spans crosses
+  nodes: the mesh lays the target's devices out in order, ``len // nodes``
+  a node (``mesh_shape``), so an axis crosses them where moving along it
+  changes node.
   """
-  by_axes = hlo.count_collectives_by_axes(text, mesh)
+  position = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
+  node = position // (mesh.size // nodes)
+  crossing = {
+    name for k, name in enumerate(mesh.axis_names) if np.any(np.diff(node, axis=k) != 0)
+  }
   within = across = 0.0
-  for axes, kinds in by_axes.items():
+  for axes, kinds in hlo.count_collectives_by_axes(text, mesh).items():
     sent = sum(c.bytes * _SENT.get(kind, 1.0) for kind, c in kinds.items())
-    if "node" in axes and mesh.shape["node"] > 1:
+    if crossing.intersection(axes):
       across += sent
     else:
       within += sent

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from zerojax._src.diagnostics import process as process_lib
 from zerojax._src.plan import compile as compile_lib
 from zerojax._src.plan import program as program_lib
 from zerojax._src.plan import workers as workers_lib
@@ -149,8 +150,8 @@ def plan(
   say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
   store = workers_lib.Cache(cache)
   count = 1 if target == LOCAL else max(1, min(workers or min(os.cpu_count() or 1, 4), 8))
-  pool = [workers_lib.Worker(ref, target) for _ in range(count)]
-  free: queue.Queue[workers_lib.Worker] = queue.Queue()
+  pool = [process_lib.DevicelessProcess(target) for _ in range(count)]
+  free: queue.Queue[process_lib.DevicelessProcess] = queue.Queue()
   for worker in pool:
     free.put(worker)
   outcomes: list[Outcome] = []
@@ -165,7 +166,7 @@ def plan(
         found = {s: store.get(ref, target, s) for s in todo}
         cached += sum(o is not None for o in found.values())
         missing = [s for s in todo if found[s] is None]
-        futures = [threads.submit(_compile, free, s) for s in missing]
+        futures = [threads.submit(_compile, free, ref, target, s) for s in missing]
         for setup, future in zip(missing, futures, strict=True):
           found[setup] = future.result()
           store.put(ref, target, found[setup])
@@ -195,13 +196,16 @@ def _measured(program, outcomes: list[Outcome], count: int, say) -> list[Outcome
   return [timed.get(o.setup, o) for o in outcomes]
 
 
-def _compile(free: queue.Queue[workers_lib.Worker], setup: Setup) -> Outcome:
-  """``setup`` compiled by whichever worker is free."""
+def _compile(free: queue.Queue, ref: str, target: str, setup: Setup) -> Outcome:
+  """``setup`` compiled by whichever process is free."""
   worker = free.get()
   try:
-    return worker.compile(setup)
+    found = worker.call("zerojax._src.plan.workers:compile_json", ref, setup.to_json(), target)
+  except RuntimeError as error:
+    raise RuntimeError(f"compiling {setup.describe()}: {error}") from None
   finally:
     free.put(worker)
+  return Outcome.from_json(found)
 
 
 def _line(index: int, total: int, outcome: Outcome) -> str:
