@@ -125,7 +125,7 @@ def write_doc(target: str, text: str, command: str) -> None:
   heading = re.escape(f"### {target}") + r"\n"
   found = re.search(heading + r".*?(?=\n### |\Z)", section, flags=re.S)
   if found:
-    section = section[: found.start()] + block.rstrip("\n") + section[found.end() :]
+    section = section[: found.start()] + block.rstrip("\n") + "\n" + section[found.end() :]
   else:
     section = section.rstrip("\n") + "\n\n" + block
   doc = doc[:start] + section.rstrip("\n") + "\n" + ("\n" + doc[end:] if doc[end:] else "")
