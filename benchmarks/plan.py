@@ -32,12 +32,12 @@ Compiling every setup of a space is the planner's ground truth: if the plan's
 pick is the exhaustive search's best, pruning lost nothing. For the seeds'
 7.5B transformer (`benchmarks/transformer.py`, `CONFIGS["7.5B"]`: 30 layers,
 d 4096, 2048-token sequences, bf16 compute, AdamW) `benchmarks/plan.py` plans
-a small space (stage 3; `remat` full or dots; batches 1, 2, 4 per device)
-with `prune=True`, then again with `prune=False` over the same cache, so the
-second run compiles only what the first pruned. The step times are the
-planner's estimates (a roofline on TPU, XLA:GPU's scheduler on GPU), not
-measurements: the comparison says the search finds the estimate's best, not
-that the estimate is right.
+a small space (stage 3 sharded over every device, no ZeRO++; `remat` full or
+dots; batches 1, 2, 4 per device) with `prune=True`, then again with
+`prune=False` over the same cache, so the second run compiles only what the
+first pruned. The step times are the planner's estimates (a roofline on TPU,
+XLA:GPU's scheduler on GPU), not measurements: the comparison says the search
+finds the estimate's best, not that the estimate is right.
 """
 
 
@@ -141,8 +141,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--cache", default=None, help="default: a fresh temporary directory")
   parser.add_argument("--doc", action="store_true", help="write the result into docs/planning.md")
   args = parser.parse_args(argv)
-  space = Space(
+  space = Space(  # the same setups on every target: one node or many
     stages=(3,),
+    sharding=("full",),
+    quantized_weights=(False,),
+    quantized_gradients=(False,),
     remat=tuple(args.remat.split(",")),
     batches=tuple(int(b) for b in args.batches.split(",")),
   )
