@@ -18,6 +18,7 @@ import re
 from collections.abc import Collection
 
 import jax
+import numpy as np
 
 from zerojax._src.diagnostics import deviceless
 from zerojax._src.diagnostics import hlo as hlo_lib
@@ -379,6 +380,56 @@ def _is_gemm(instruction: hlo_lib._Instruction) -> bool:
   return instruction.opcode == "custom-call" and bool(_GEMM.search(instruction.attributes))
 
 
+def _convolution_flops(
+  instruction: hlo_lib._Instruction, lhs: list[int], kernel: list[int], output: list[int]
+) -> float:
+  """2 x the multiply-adds of a convolution: for each output element, its kernel's input
+  features times the window taps that land on the input rather than on padding or between
+  dilated elements. XLA:TPU writes a ``dot_general`` 's batch dimensions as a window that
+  meets the input once per output element (``window={size=16 pad=15_15 rhs_reversal=1}``,
+  ``window={size=8 stride=7 lhs_dilate=8}``), which a count of every tap overstates by the
+  window's size.
+
+  Example:
+    A batched matmul as XLA:TPU writes it: 16 batches of (2048 x 1024) @ (1024 x 128).
+
+    >>> line = ("%c = bf16[2048,16,128]{2,0,1} convolution(%a, %b), "
+    ...         "window={size=16 pad=15_15 rhs_reversal=1}, dim_labels=bf0_0oi->b0f")
+    >>> c = hlo_lib._parse_instruction(line)
+    >>> _convolution_flops(c, [2048, 1024, 1], [16, 128, 1024], [2048, 16, 128]) / 1e9
+    8.589934592
+  """
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instruction.attributes)
+  if labels is None:
+    raise ValueError(f"convolution {instruction.name} has no dim_labels: {instruction.attributes}")
+  lhs_labels, kernel_labels, output_labels = labels.groups()
+  window = re.search(r"window=\{([^}]*)\}", instruction.attributes)
+  fields = dict(re.findall(r"(\w+)=(\S+)", window.group(1))) if window else {}
+  spatial = sorted(c for c in output_labels if c.isdigit())
+  per_dim = lambda name, default: (
+    [int(v) for v in fields[name].split("x")] if name in fields else [default] * len(spatial)
+  )
+  sizes, strides = per_dim("size", 1), per_dim("stride", 1)
+  lhs_dilation, rhs_dilation = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+  pads = (
+    [tuple(map(int, p.split("_"))) for p in fields["pad"].split("x")]
+    if "pad" in fields
+    else ([(0, 0)] * len(spatial))
+  )
+  taps = 1
+  for k, digit in enumerate(spatial):
+    n, out = lhs[lhs_labels.index(digit)], output[output_labels.index(digit)]
+    place = (
+      np.arange(out)[:, None] * strides[k]
+      + np.arange(sizes[k])[None, :] * rhs_dilation[k]
+      - pads[k][0]
+    )
+    on_input = (place >= 0) & (place <= (n - 1) * lhs_dilation[k]) & (place % lhs_dilation[k] == 0)
+    taps *= int(on_input.sum())
+  others = math.prod(output) // max(math.prod(output[output_labels.index(d)] for d in spatial), 1)
+  return 2.0 * others * kernel[kernel_labels.index("i")] * taps
+
+
 def _dimensions(shape: str) -> list[int]:
   """The dimensions of an array shape: ``"f32[8,16]{1,0}"`` -> ``[8, 16]``."""
   found = _ARRAY.search(shape)
@@ -441,10 +492,12 @@ class _Program:
         [int(d) for d in re.findall(r"\d+", "".join(filter(None, found.groups())))] if found else []
       )
       return 2.0 * output * math.prod(lhs[d] for d in contracted)
-    kernel = _dimensions(self.shape(instruction.operands[1]))
-    labels = re.search(r"dim_labels=\w*_(\w*)->", instruction.attributes)
-    features = kernel[labels.group(1).index("o")] if labels and "o" in labels.group(1) else 1
-    return 2.0 * output * math.prod(kernel) / max(features, 1)
+    return _convolution_flops(
+      instruction,
+      _dimensions(self.shape(instruction.operands[0])),
+      _dimensions(self.shape(instruction.operands[1])),
+      _dimensions(instruction.shape),
+    )
 
   def multiply_type(self, instruction: hlo_lib._Instruction) -> str:
     """The type a dot or convolution multiplies in (see ``Cost.flops_by_dtype``)."""

@@ -250,9 +250,7 @@ def link_bytes(text: str, mesh: Mesh, nodes: int) -> tuple[float, float]:
   """
   position = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
   node = position // (mesh.size // nodes)
-  crossing = {
-    name for k, name in enumerate(mesh.axis_names) if np.any(np.diff(node, axis=k) != 0)
-  }
+  crossing = {name for k, name in enumerate(mesh.axis_names) if np.any(np.diff(node, axis=k) != 0)}
   within = across = 0.0
   for axes, kinds in hlo.count_collectives_by_axes(text, mesh).items():
     sent = sum(c.bytes * _SENT.get(kind, 1.0) for kind, c in kinds.items())

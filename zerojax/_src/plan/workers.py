@@ -10,6 +10,7 @@ setup, versions), so a second plan compiles only what is new.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -70,8 +71,20 @@ def source_digest(ref: str) -> str:
   return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:16] if path else ""
 
 
+@functools.cache
+def _zerojax_digest() -> str:
+  """A digest of zerojax's own source: a changed zerojax (the step it builds, the estimates it
+  reads) compiles again, between releases too."""
+  root = pathlib.Path(__file__).resolve().parents[2]
+  digest = hashlib.sha256()
+  for path in sorted(root.rglob("*.py")):
+    digest.update(path.read_bytes())
+  return digest.hexdigest()[:16]
+
+
 class Cache:
-  """Outcomes on disk, one JSON file per (program, source, target, setup, versions).
+  """Outcomes on disk, one JSON file per (program, its source, target, setup, versions, and
+  zerojax's own source).
 
   Args:
     directory: where the files go; ``None`` keeps nothing.
@@ -83,7 +96,7 @@ class Cache:
   def _path(self, ref: str, target: str, setup: Setup) -> pathlib.Path:
     import jax
 
-    versions = [jax.__version__, importlib.metadata.version("zerojax")]
+    versions = [jax.__version__, importlib.metadata.version("zerojax"), _zerojax_digest()]
     key = json.dumps(
       [ref, source_digest(ref), target, setup.to_json(), *versions],
       sort_keys=True,
