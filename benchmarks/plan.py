@@ -1,6 +1,6 @@
 """Does ``zerojax.plan`` pick well? The planner against the whole space, and against the defaults.
 
-For the seeds' 7.5B transformer (``plan_models.SEVEN_B``) on a deviceless
+For a transformer of ``plan_models`` (the seeds' 7.5B, or the 70B) on a deviceless
 target, a small space is planned twice over one cache: first as
 ``zerojax.plan`` runs (``prune=True``: a setup that did not fit skips every
 larger one), then exhaustively (``prune=False``), which compiles only what the
@@ -22,6 +22,8 @@ import re
 import sys
 import tempfile
 
+import plan_models
+
 import zerojax
 from zerojax.planning import Plan, Setup, Space
 
@@ -30,10 +32,11 @@ DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "planning.md"
 INTRO = """\
 Compiling every setup of a space is the planner's ground truth: if the plan's
 pick is the exhaustive search's best, pruning lost nothing. For the seeds'
-7.5B transformer (`benchmarks/transformer.py`, `CONFIGS["7.5B"]`: 30 layers,
-d 4096, 2048-token sequences, bf16 compute, AdamW) `benchmarks/plan.py` plans
-a small space (stage 3 sharded over every device, no ZeRO++; `remat` full or
-dots; batches 1, 2, 4 per device) with `prune=True`, then again with
+transformers (`benchmarks/transformer.py`: the 7.5B, 30 layers of d 4096, and the 70B, 80
+layers of d 8192 with grouped-query attention; 2048-token sequences, bf16 compute, AdamW)
+`benchmarks/plan.py` plans a small space (stage 3 sharded over every device, no ZeRO++;
+`remat` full or dots, pipeline stages where given; batches per device) with `prune=True`,
+then again with
 `prune=False` over the same cache, so the second run compiles only what the
 first pruned. The step times are the planner's estimates (a roofline on TPU,
 XLA:GPU's scheduler on GPU), not measurements: the comparison says the search
@@ -41,16 +44,16 @@ finds the estimate's best, not that the estimate is right.
 """
 
 
-def compare(target: str, space: Space, cache: str, workers: int) -> dict:
-  """The plan and the exhaustive search of ``space`` for ``target``, and their comparison."""
-  program = "plan_models:SEVEN_B"
+def compare(model: str, target: str, space: Space, cache: str, workers: int) -> dict:
+  """The plan and the exhaustive search of ``space`` for ``model`` on ``target``, compared."""
+  program = f"plan_models:{plan_models.PROGRAMS[model]}"
   pruned = zerojax.plan(program, target, space=space, workers=workers, cache=cache)
   full = zerojax.plan(program, target, space=space, workers=workers, cache=cache, prune=False)
   fitting = [o for o in full.fitting if o.setup.remat == "full" and _is_default(o.setup)]
   defaults_best = max(fitting, key=lambda o: o.setup.batch, default=None)
   defaults_one = full.outcome(Setup(batch=1))
   return {
-    "target": target,
+    "name": f"{model} on {target}",
     "plan": pruned,
     "full": full,
     "same": (pruned.best and pruned.best.setup) == (full.best and full.best.setup),
@@ -86,7 +89,7 @@ def summary(result: dict) -> str:
   pick = plan.best
   compile_seconds = sum(o.compile_seconds for o in full.outcomes)
   lines = [
-    f"### {result['target']}",
+    f"### {result['name']}",
     "",
     "Every setup of the space (the exhaustive run; its last line counts the outcomes it "
     "reused from the plan's cache):",
@@ -112,8 +115,8 @@ def summary(result: dict) -> str:
   return "\n".join(lines)
 
 
-def write_doc(target: str, text: str, command: str) -> None:
-  """Puts ``text`` in ``docs/planning.md`` 's section as ``target`` 's subsection."""
+def write_doc(name: str, text: str, command: str) -> None:
+  """Puts ``text`` in ``docs/planning.md`` 's section as subsection ``name``."""
   doc = DOC.read_text() if DOC.exists() else ""
   if SECTION not in doc:
     doc = doc.rstrip() + ("\n\n" if doc.strip() else "") + f"{SECTION}\n\n{INTRO}\n"
@@ -122,7 +125,7 @@ def write_doc(target: str, text: str, command: str) -> None:
   end = len(doc) if end < 0 else end + 1
   section = doc[start:end]
   block = f"{text}\n\nMade by:\n\n```\n{command}\n```\n"
-  heading = re.escape(f"### {target}") + r"\n"
+  heading = re.escape(f"### {name}") + r"\n"
   found = re.search(heading + r".*?(?=\n### |\Z)", section, flags=re.S)
   if found:
     section = section[: found.start()] + block.rstrip("\n") + "\n" + section[found.end() :]
@@ -135,6 +138,9 @@ def write_doc(target: str, text: str, command: str) -> None:
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--target", default="v5e-64")
+  parser.add_argument("--model", default="7.5B", choices=sorted(plan_models.PROGRAMS))
+  parser.add_argument("--pipeline", default="1", help="pipeline stage counts to try")
+  parser.add_argument("--microbatches", default="1", help="pipeline micro-batch counts")
   parser.add_argument("--batches", default="1,2,4")
   parser.add_argument("--remat", default="full,dots")
   parser.add_argument("--workers", type=int, default=1, help="compiling processes at once")
@@ -148,15 +154,17 @@ def main(argv: list[str] | None = None) -> None:
     quantized_gradients=(False,),
     remat=tuple(args.remat.split(",")),
     batches=tuple(int(b) for b in args.batches.split(",")),
+    pipeline=tuple(int(s) for s in args.pipeline.split(",")),
+    microbatches=tuple(int(m) for m in args.microbatches.split(",")),
   )
   cache = args.cache or tempfile.mkdtemp(prefix="zerojax-plan-bench-")
-  text = summary(compare(args.target, space, cache, args.workers))
+  text = summary(compare(args.model, args.target, space, cache, args.workers))
   print(text)
   if args.doc:
     command = "PYTHONPATH=.:benchmarks python benchmarks/plan.py " + " ".join(
       a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--cache")
     )
-    write_doc(args.target, text, command)
+    write_doc(f"{args.model} on {args.target}", text, command)
 
 
 if __name__ == "__main__":

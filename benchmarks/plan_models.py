@@ -66,3 +66,7 @@ def program(size: str) -> zerojax.planning.Program:
 
 #: The seeds' 7.5B transformer (30 layers, d 4096, 2048-token sequences).
 SEVEN_B = program("7.5B")
+#: Llama-2-70B's shape (80 layers, d 8192, grouped-query attention, MLP 28672).
+SEVENTY_B = program("70B")
+#: The programs ``benchmarks/plan.py`` plans, by the name its ``--model`` takes.
+PROGRAMS = {"7.5B": "SEVEN_B", "70B": "SEVENTY_B"}
