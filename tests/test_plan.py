@@ -132,3 +132,22 @@ def test_measuring_times_the_candidates_on_this_machine(tmp_path):
   assert found.best.step_seconds == min(o.step_seconds for o in found.outcomes) > 0
   with pytest.raises(ValueError, match="compiled for, not here"):
     zerojax.plan(plan_program.TINY, "v5e-8", space=space, measure=1)
+
+
+def test_bytes_across_nodes_are_counted_on_a_machine_of_two_nodes(tmp_path):
+  """On two nodes of 8 H100 every mesh has a node axis: stage 3 over all 16 devices sends
+  bytes across nodes, hybrid sharding (states sharded within a node) sends fewer."""
+  space = Space(
+    stages=(3,),
+    sharding=("full", "hybrid"),
+    quantized_weights=(False,),
+    quantized_gradients=(False,),
+    remat=("full",),
+    batches=(1,),
+  )
+  found = zerojax.plan(plan_program.TINY, "h100x16", space=space, cache=tmp_path, workers=1)
+  full = found.outcome(Setup(batch=1))
+  hybrid = found.outcome(Setup(sharding="hybrid", batch=1))
+  assert 0 < hybrid.across_bytes < full.across_bytes
+  assert hybrid.within_bytes > 0  # its gathers stay inside a node
+  assert "jax.make_mesh((2, 8), ('node', 'data'))" in planning.code(found, full.setup)
