@@ -1,5 +1,7 @@
 """A ``DevicelessProcess`` runs functions by name where the target's compiler is loaded."""
 
+import importlib.util
+
 import pytest
 
 from zerojax.diagnostics import DevicelessProcess, find_by_name
@@ -29,3 +31,14 @@ def test_names_that_find_nothing_are_refused_with_how_to_name_them(tmp_path):
   assert find_by_name(f"{tmp_path}/script.py:TOTAL") == 42  # beside it, as a script has it
   with pytest.raises(ValueError, match="has no 'OTHER'"):
     find_by_name(f"{tmp_path}/script.py:OTHER")
+
+
+def test_a_target_whose_compiler_is_missing_says_how_to_install_it(monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(
+    importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a)
+  )
+  with pytest.raises(ValueError, match=r"pip install \"zerojax\[accelerators\]\""):
+    DevicelessProcess("v5e-64")
+  with pytest.raises(ValueError, match="unknown target"):
+    DevicelessProcess("v5e-9")

@@ -73,12 +73,29 @@ def find(ref: str) -> Any:
   return getattr(module, attribute)
 
 
+#: The module each platform's compiler comes in, for a clear error where it is missing.
+_COMPILERS = {"cuda": "jax_cuda12_plugin", "tpu": "libtpu"}
+
+
+def _check_compiler(target: deviceless.DevicelessTarget) -> None:
+  module = _COMPILERS[target.platform]
+  if importlib.util.find_spec(module) is None:
+    raise ValueError(
+      f"compiling for {target.name} needs the {target.platform} compiler ({module}), which is "
+      'not installed: pip install "zerojax[accelerators]" (no GPU or TPU needed).'
+    )
+
+
 class DevicelessProcess:
   """A process compiling for ``target``, which runs the functions ``call`` names.
 
   Args:
     target: one of ``DEVICELESS_TARGETS``; ``"local"`` runs the calls in this
       process instead.
+
+  Raises:
+    ValueError: for an unknown target, or one whose compiler is not installed
+      (``pip install "zerojax[accelerators]"``).
     xla_flags: ``XLA_FLAGS`` to compile with (``deviceless_environment``'s).
     scheduler_log: on GPU, have XLA log its scheduler's estimate (read it
       with ``capture_stderr`` and ``scheduler_estimate`` in the function).
@@ -105,6 +122,7 @@ class DevicelessProcess:
     self._process = None
     if target == LOCAL:
       return
+    _check_compiler(deviceless.find_target(target))
     environment = {
       **os.environ,
       **deviceless.environment(target, scheduler_log=scheduler_log, xla_flags=xla_flags),
