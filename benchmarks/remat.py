@@ -27,9 +27,13 @@ Run::
   python benchmarks/remat.py --only 70B:v5e-256 --settings "full remat" --settings "dots saved"
   python benchmarks/remat.py --only 7.5B:v5e-64 --largest "full remat"
   python benchmarks/remat.py --only 7.5B:v5e-64 --layers 8 --settings "full remat"
+  python benchmarks/remat.py --only 7.5B:v5e-64 --sides "zero3, bf16 reductions"
 
 ``--layers`` compiles the model with fewer (or more) layers, cached apart: how
-the temporaries grow with depth.
+the temporaries grow with depth. ``--sides "zero3, bf16 reductions"`` compiles
+stage 3 reducing its gradients in bfloat16, as GSPMD FSDP's bfloat16 matmuls
+make them (rows of their own beside ``zero3``'s float32 reductions): the
+like-for-like comparison.
 """
 
 from __future__ import annotations
