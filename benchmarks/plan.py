@@ -16,7 +16,6 @@ at the largest batch they fit. ``--doc`` writes the result into
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import pathlib
 import re
 import sys
@@ -64,7 +63,7 @@ def compare(model: str, target: str, space: Space, cache: str, workers: int) -> 
 
 
 def _is_default(setup: Setup) -> bool:
-  return dataclasses.replace(setup, batch=1) == Setup()
+  return setup == Setup(batch=setup.batch)
 
 
 def _speed(outcome) -> str:
