@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from jax.extend import core as jex
 
 import zerojax
 import zerojax.flax.linen
@@ -300,3 +301,52 @@ def test_flax_scans_run_layers_closing_over_the_losss_values(axis_type):
     loss, grads = nnx.jit(value_and_grad)(layers, x)
   grads = nnx.to_pure_dict(tx.unpad(tx.gather(nnx.state(grads, nnx.Param))))
   chex.assert_trees_all_close((loss, grads), want, **ROUNDING)
+
+
+# What the backward pass keeps of each layer, read from the step's program: an attention layer as
+# benchmarks/transformer.py's, in bfloat16 with a float32 softmax. Its derivative reads exp's
+# output, the bfloat16 cast of the probabilities and, for a maximum that stop_gradient drops,
+# nothing; its causal mask is made from constants. jax.lax.scan keeps each once per layer, or
+# not at all; the weights are bfloat16 already, so the one device keeps no cast of them either.
+HEADS, HEAD_DIM, SEQUENCE = 4, 8, 64
+
+
+def bf16_attention(h, w):
+  split = lambda x: x.reshape(*x.shape[:-1], HEADS, HEAD_DIM)
+  q, k, v = (split(h @ w[name]) for name in ("q", "k", "v"))
+  attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  return h + attended.reshape(h.shape) @ w["o"], None
+
+
+def kept_per_layer(jaxpr) -> float:
+  """The bytes the forward loop of a step's program stacks per layer: its residuals (and ys)."""
+  loops = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan" and not eqn.params["reverse"]]
+  inner = [kept_per_layer(sub) for eqn in jaxpr.eqns for sub in jex.jaxprs_in_params(eqn.params)]
+  stacked = lambda eqn: [v.aval for v in eqn.outvars if v.aval.shape[:1] == (eqn.params["length"],)]
+  here = [sum(a.size * a.dtype.itemsize for a in stacked(e)) / e.params["length"] for e in loops]
+  return max([0, *here, *inner])
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("policy", ["everything_saveable", "dots_saveable", "nothing_saveable"])
+def test_each_layer_keeps_what_jax_lax_scan_keeps(policy, prefetch):
+  width = HEADS * HEAD_DIM
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {
+    name: (jax.random.normal(key, (LAYERS, width, width)) * width**-0.5).astype(jnp.bfloat16)
+    for name, key in zip("qkvo", keys, strict=True)
+  }
+  x = jax.random.normal(jax.random.key(1), (1, SEQUENCE, width), jnp.bfloat16)
+  mean = lambda h: jnp.mean(h.astype(jnp.float32) ** 2)
+  layer = jax.checkpoint(bf16_attention, policy=getattr(policies, policy))
+  loss = lambda p, x: mean(jax.lax.scan(layer, x, p)[0])
+  one_device = jax.jit(jax.value_and_grad(loss)).trace(params, x)
+
+  tx = zerojax.zero3(optax.sgd(0.1), mesh=mesh_of("explicit"))
+  scan = functools.partial(zerojax.scan, prefetch=prefetch, policy=policy)
+  loss_fn = lambda p, x: mean(scan(bf16_attention, x, p)[0])
+  step = jax.jit(zerojax.value_and_grad(loss_fn, tx)).trace(
+    tx.shard(params), jnp.tile(x, (8, 1, 1))
+  )
+  kept, want = kept_per_layer(step.jaxpr.jaxpr), kept_per_layer(one_device.jaxpr.jaxpr)
+  assert kept <= want, (kept, want)

@@ -78,15 +78,20 @@ def remat_policy(primitive, *_, **params) -> bool:
     >>> import jax, zerojax
     >>> body = jax.checkpoint(lambda h, w: h @ zerojax.gather(w), policy=zerojax.remat_policy)
   """
+  return not (primitive.name in _LAYOUT or gathers(primitive, params))
+
+
+def gathers(primitive, params) -> bool:
+  """Whether an equation gathers a parameter or reads it (``gather`` or one of its collectives)."""
   name = primitive.name
-  if name.startswith("all_gather") or name in _LAYOUT:
-    return False
+  if name.startswith("all_gather"):
+    return True
   if name == "custom_vjp_call" and _reads(params["call_jaxpr"]):
-    return False
-  return not (name == "name" and params.get("name") == GATHERED)
+    return True
+  return name == "name" and params.get("name") == GATHERED
 
 
-def _secondary(primitive, params) -> bool:
+def names_secondary(primitive, params) -> bool:
   """Whether this names an hpZ secondary partition, which every policy here saves."""
   return primitive.name == "name" and params.get("name") == hpz.SECONDARY
 
@@ -157,7 +162,7 @@ def except_gathered(policy: Callable[..., bool] | str | None) -> Callable[..., b
     return remat_policy
 
   def saved(primitive, *args, **params) -> bool:
-    if _secondary(primitive, params):
+    if names_secondary(primitive, params):
       return True
     return remat_policy(primitive, *args, **params) and policy(primitive, *args, **params)
 

@@ -9,10 +9,14 @@ that arrives under the user's own ``jax.checkpoint`` (``nn.remat``,
 saved whole, a named activation they asked to offload would stay on the
 device. Here the layer is traced to a jaxpr instead, and each value is judged
 by the policy of the innermost checkpoint the user put around it (zerojax's own
-``policy=`` outside them all), with ``shards.except_gathered``'s one rule on
-top: a gathered weight, or a cast or a transpose of one, is never kept. The
-values kept are marked with checkpoint names, and the one outer checkpoint keeps
-(or offloads to host memory) exactly the marked values.
+``policy=`` outside them all), with one rule on top: a value computed from the
+gathered weights and the values every layer shares alone (a weight, its cast or
+transpose, a causal mask) is never kept. The values kept are marked with
+checkpoint names, and the one outer checkpoint keeps (or offloads to host
+memory) exactly the marked values. A mark goes where ``jax.checkpoint``'s policy
+would look: in the derivative of each primitive (``exp``'s derivative reads
+``exp``'s output, which a mark on the primal output would not reach, so the
+backward pass would keep ``exp``'s input and compute it again).
 
 Tracing ``f`` once also closes it over nothing: every value of an enclosing
 trace that ``f`` captures (a causal mask, rotary tables, a dropout key) becomes
@@ -27,8 +31,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.core import Tracer
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex
 
 from zerojax._src.comm import shards as shards_lib
@@ -99,20 +105,29 @@ def trace(f: Callable[..., Any], *args: Any) -> Traced:
   return Traced(jaxpr, jax.tree.structure(shape), hoisted, consts)
 
 
-def checkpoint(f: Callable[..., Any], policy: Callable[..., Any] | None) -> Callable[..., Any]:
+def checkpoint(
+  f: Callable[..., Any], policy: Callable[..., Any] | None, shared_argnums: Sequence[int] = ()
+) -> Callable[..., Any]:
   """``jax.checkpoint(f)``, keeping what the user's checkpoints in ``f`` keep but gathered weights.
 
   Each value of ``f`` is kept for the backward pass if the policy of the
   innermost ``jax.checkpoint`` around it in ``f`` would keep it (``policy``
-  for values outside any), unless it is a gathered weight or a cast, slice or
-  transpose of a value (``shards.except_gathered``). Values that policy
-  offloads (``save_and_offload_only_these_names``) are offloaded.
+  for values outside any), as ``jax.checkpoint`` judges it: in ``f``'s
+  derivative, so that a value a derivative rule reads (``exp``'s output) is
+  the value kept. But a value computed from the gathered weights, the
+  arguments in ``shared_argnums`` and constants alone is never kept (the
+  weights, their casts and transposes, a causal mask): the backward pass
+  computes it again from what it has anyway. Values that policy offloads
+  (``save_and_offload_only_these_names``) are offloaded.
 
   Args:
     f: the function (a layer).
     policy: the policy for the values of ``f`` under no checkpoint of the
       user's; ``None`` keeps none of them (``DEFAULT_POLICY``): the backward
       pass computes them again from ``f``'s inputs.
+    shared_argnums: the positions of ``f``'s arguments the backward pass
+      holds anyway: gathered weights (gathered again), values every layer
+      shares. What ``f`` closes over is shared too.
 
   Returns:
     The checkpointed function.
@@ -132,8 +147,8 @@ def checkpoint(f: Callable[..., Any], policy: Callable[..., Any] | None) -> Call
     [(2, 3), (3, 3)]
     >>> keep_all = jax.checkpoint_policies.everything_saveable
     >>> _, pullback = jax.vjp(remat.checkpoint(layer, keep_all), h, w)
-    >>> sorted(leaf.shape for leaf in jax.tree.leaves(pullback))  # and tanh's output
-    [(2, 3), (2, 3), (3, 3)]
+    >>> sorted(leaf.shape for leaf in jax.tree.leaves(pullback))  # and tanh, 1 - tanh
+    [(2, 3), (2, 3), (2, 3), (3, 3)]
   """
 
   def layer(*args):
@@ -146,10 +161,11 @@ def checkpoint(f: Callable[..., Any], policy: Callable[..., Any] | None) -> Call
         "zerojax's policy= (without the layer's checkpoint), not both."
       )
     marks = _Marks()
+    shared = [i in shared_argnums for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
 
     def marked(consts, flat):
-      judge = _Judge(shards_lib.except_gathered(policy or DEFAULT_POLICY), marks)
-      return judge.evaluate(traced.jaxpr.jaxpr, traced.constants(consts), flat)
+      judge = _Judge(policy or DEFAULT_POLICY, marks)
+      return judge.evaluate(traced.jaxpr.jaxpr, traced.constants(consts), flat, shared)[0]
 
     # The policy is asked once ``marked`` has been traced, when ``marks`` knows where to offload.
     chosen = lambda *args, **params: marks.policy()(*args, **params)
@@ -189,45 +205,120 @@ class _Marks:
 
 @dataclasses.dataclass
 class _Judge:
-  """Evaluates a jaxpr, marking each value its region's policy keeps."""
+  """Evaluates a jaxpr, marking each value its region's policy keeps.
+
+  A value is shared if it is computed from the shared arguments, gathered
+  weights and constants alone: those are never marked.
+  """
 
   policy: Callable[..., Any]
   marks: _Marks
 
-  def evaluate(self, jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  def evaluate(
+    self, jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], shared: Sequence[bool]
+  ) -> tuple[list[Any], list[bool]]:
+    """``jaxpr``'s outputs, and for each whether it is shared."""
     env: dict[Any, Any] = {}
+    common = set(jaxpr.constvars) | {v for v, s in zip(jaxpr.invars, shared, strict=True) if s}
     read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
+    is_shared = lambda v: isinstance(v, jex.Literal) or v in common
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
       ins = [read(v) for v in eqn.invars]
       with eqn.ctx.manager:
-        outs = self._equation(eqn, ins)
+        outs, shares = self._equation(eqn, ins, [is_shared(v) for v in eqn.invars])
+      env.update(zip(eqn.outvars, outs, strict=True))
+      common.update(v for v, s in zip(eqn.outvars, shares, strict=True) if s)
+    return [read(v) for v in jaxpr.outvars], [is_shared(v) for v in jaxpr.outvars]
+
+  def _equation(self, eqn: Any, ins: list[Any], shared: list[bool]) -> tuple[list[Any], list[bool]]:
+    name, params = eqn.primitive.name, eqn.params
+    if name == _REMAT:  # the user's checkpoint: its policy rules inside it
+      inner = params["policy"] or jax.checkpoint_policies.nothing_saveable
+      return _Judge(inner, self.marks).evaluate(params["jaxpr"], (), ins, shared)
+    if name in _CALLS and isinstance(params.get("jaxpr"), jex.ClosedJaxpr):
+      return self.evaluate(params["jaxpr"].jaxpr, params["jaxpr"].consts, ins, shared)
+    if shards_lib.names_secondary(eqn.primitive, params):  # hpZ's partition: always kept
+      return [checkpoint_name(_bind(eqn, ins)[0], SAVED)], [False]
+    if shards_lib.gathers(eqn.primitive, params) or (all(shared) and not eqn.effects):
+      return _bind(eqn, ins), [True] * len(eqn.outvars)
+    choice = self.policy(eqn.primitive, *(v.aval for v in eqn.invars), **params)
+    if _kept(choice) and _differentiable(eqn):
+      # Marking the output would not do: the derivative rule reads the primitive's own output.
+      return self._differentiated(eqn, ins), [False] * len(eqn.outvars)
+    return [self._marked(out, choice) for out in _bind(eqn, ins)], [False] * len(eqn.outvars)
+
+  def _differentiated(self, eqn: Any, ins: list[Any]) -> list[Any]:
+    """``eqn``'s outputs, their derivative marking the values of it the policy keeps."""
+
+    @jax.custom_jvp
+    def applied(*primals):
+      return _bind(eqn, primals)
+
+    def rule(primals, tangents):
+      # Only the operands that move: a zero tangent instantiated would make the derivative read
+      # the other operands (``x * scale``'s derivative in a constant ``scale`` reads ``x``).
+      moving = [not isinstance(t, SymbolicZero) for t in tangents]
+
+      def moved(*values):
+        given = iter(values)
+        return _bind(eqn, [next(given) if m else p for p, m in zip(primals, moving, strict=True)])
+
+      pick = lambda values: [v for v, m in zip(values, moving, strict=True) if m]
+      jvp = lambda p, t: jax.jvp(moved, p, t)
+      closed = jax.make_jaxpr(jvp)(pick(primals), pick(tangents))
+      out = self._tangents_apart(closed, pick(primals), pick(tangents))
+      return out[: len(out) // 2], out[len(out) // 2 :]
+
+    applied.defjvp(rule, symbolic_zeros=True)
+    return applied(*ins)
+
+  def _tangents_apart(self, closed: jex.ClosedJaxpr, primals: list, tangents: list) -> list[Any]:
+    """A derivative's jaxpr evaluated, its values computed from the primals marked by the policy."""
+    jaxpr = closed.jaxpr
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, [*primals, *tangents], strict=True))
+    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
+    primal = set(jaxpr.invars[: len(primals)])  # not the operands held still: shared, or not
+    tangent = set(jaxpr.invars[len(primals) :])
+    for eqn in jaxpr.eqns:
+      with eqn.ctx.manager:
+        outs = _bind(eqn, [read(v) for v in eqn.invars])
+      if any(v in tangent for v in eqn.invars if not isinstance(v, jex.Literal)):
+        tangent.update(eqn.outvars)
+      elif any(v in primal for v in eqn.invars if not isinstance(v, jex.Literal)):
+        choice = self.policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
+        outs = [self._marked(out, choice) for out in outs]
+        primal.update(eqn.outvars)
       env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
-
-  def _equation(self, eqn: Any, ins: list[Any]) -> list[Any]:
-    name = eqn.primitive.name
-    if name == _REMAT:  # the user's checkpoint: its policy rules inside it
-      inner = eqn.params["policy"] or jax.checkpoint_policies.nothing_saveable
-      judge = _Judge(shards_lib.except_gathered(inner), self.marks)
-      return judge.evaluate(eqn.params["jaxpr"], (), ins)
-    if name in _CALLS and isinstance(eqn.params.get("jaxpr"), jex.ClosedJaxpr):
-      called = eqn.params["jaxpr"]
-      return self.evaluate(called.jaxpr, called.consts, ins)
-    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-    outs = list(outs) if eqn.primitive.multiple_results else [outs]
-    avals = [v.aval for v in eqn.invars]
-    return [self._marked(o, self.policy(eqn.primitive, *avals, **eqn.params)) for o in outs]
 
   def _marked(self, value: Any, choice: Any) -> Any:
     dst = getattr(choice, "dst", None)  # jax's Offloadable(src, dst)
     if dst is not None:
       self.marks.offloads_to(choice.src, dst)
       return checkpoint_name(value, OFFLOADED)
-    if choice is True or getattr(choice, "__name__", None) == "Saveable":
+    if _kept(choice):
       return checkpoint_name(value, SAVED)
     return value
+
+
+def _kept(choice: Any) -> bool:
+  """Whether a policy's choice keeps the value, on the device or offloaded."""
+  return choice is True or getattr(choice, "__name__", None) == "Saveable" or hasattr(choice, "dst")
+
+
+def _differentiable(eqn: Any) -> bool:
+  """Whether an equation maps floating-point values to floating-point values, and no others."""
+  floating = lambda v: jnp.issubdtype(v.aval.dtype, jnp.inexact)
+  return bool(eqn.invars) and all(floating(v) for v in [*eqn.invars, *eqn.outvars])
+
+
+def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
+  """``eqn``'s primitive applied to ``ins``, its outputs as a list."""
+  outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+  return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def _wholly_checkpointed(jaxpr: jex.Jaxpr) -> bool:

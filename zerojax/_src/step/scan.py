@@ -90,7 +90,8 @@ def scan(
   ``jax.checkpoint_policies.dots_saveable`` saves matmul outputs (the rest is
   recomputed), ``everything_saveable`` every value (none recomputed).
   Whatever the policies, the gathered weights are never saved, nor anything
-  computed from them alone (a cast or a transpose of a weight):
+  computed from them and what every layer shares alone (a cast or a transpose
+  of a weight, a causal mask):
   the backward pass gathers the layer again, so a layer's weights are whole on
   a device only while it computes. ``f`` may close over values of the
   enclosing function (a causal mask, rotary tables, a key): every layer reads
@@ -394,7 +395,8 @@ def _layer(body, stack: _Stack, consts, carry, weights, others):
 def _vjp_layer(body, stack, consts, carry, weights, others):
   """``((carry, y), pullback)`` of one layer, the pullback without the weights or the consts."""
   layer = functools.partial(_layer, body, stack)
-  out, pullback = jax.vjp(remat.checkpoint(layer, stack.policy), consts, carry, weights, others)
+  checkpointed = remat.checkpoint(layer, stack.policy, shared_argnums=(0, 2))
+  out, pullback = jax.vjp(checkpointed, consts, carry, weights, others)
   return out, _Pullback.of(pullback, [*weights, *consts])
 
 
