@@ -16,8 +16,8 @@ default): plain data parallelism and GSPMD FSDP (parameters sharded with
 zerojax's stages 1 and 2; and stage 3 on each of its paths: ``zerojax.gather``
 in a checkpointed ``jax.lax.scan``, ``zerojax.scan`` with and without
 prefetching, ``zerojax.flax.linen.scan``, and drop-in (plain ``jax.value_and_grad``).
-Each target compiles in a process of its own, started with
-``zerojax.diagnostics.deviceless_environment(target)``.
+Each target compiles in a ``zerojax.diagnostics.DevicelessProcess`` of its own,
+which runs ``compile_cell`` for each of the target's cells.
 
 Run::
 
@@ -30,11 +30,8 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
+import contextlib
 import sys
-import tempfile
 from typing import Any
 
 import jax
@@ -49,12 +46,7 @@ from measure import gpu_estimate
 from model import AXIS
 
 import zerojax
-from zerojax.diagnostics import (
-  DEVICELESS_TARGETS,
-  deviceless_environment,
-  deviceless_mesh,
-  deviceless_target,
-)
+from zerojax.diagnostics import DevicelessProcess, deviceless_mesh, deviceless_target
 
 MIB = 2**20
 #: The models, by name: (the stack's shape, the targets it is compiled for by default).
@@ -167,16 +159,16 @@ def measure(setup: setups_lib.Setup, target: str) -> dict[str, Any]:
   return result
 
 
-def compile_cell(args: argparse.Namespace) -> None:
-  """``--child``: compiles each of ``args.setups`` and writes what it found as JSON."""
-  config = MODELS[args.model]
+def compile_cell(
+  target: str, model: str, precision: str, policy: str, names: list[str]
+) -> dict[str, Any]:
+  """What each of the setups ``names`` needs and does, compiled for ``target`` (in a
+  ``DevicelessProcess`` for it: ``cell`` calls this)."""
   results = {}
-  for name in args.setups:
-    setup = build(name, config, args.child, args.precision, args.policy)
-    results[name] = measure(setup, args.child)
-    print(f"compiled {name} for {args.child}", file=sys.stderr, flush=True)
-  with open(args.out, "w") as out:
-    json.dump(results, out)
+  for name in names:
+    results[name] = measure(build(name, MODELS[model], target, precision, policy), target)
+    print(f"compiled {name} for {target}", file=sys.stderr, flush=True)  # the log, if it dies
+  return results
 
 
 # ---------------------------------------------------------------------------
@@ -185,17 +177,11 @@ def compile_cell(args: argparse.Namespace) -> None:
 
 
 def cell(
-  target: str, model: str, precision: str, policy: str, names, flags: str = ""
+  process: DevicelessProcess, model: str, precision: str, policy: str, names
 ) -> dict[str, Any]:
-  """Compiles the setups ``names`` in a child process started for ``target``."""
-  with tempfile.NamedTemporaryFile(suffix=".json") as out:
-    command = [sys.executable, os.path.abspath(__file__), "--child", target, "--out", out.name]
-    command += ["--model", model, "--precision", precision, "--policy", policy, "--setups", *names]
-    env = {**os.environ, **deviceless_environment(target, xla_flags=flags)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode:
-      raise RuntimeError(f"compiling for {target} failed:\n{done.stderr[-4000:]}")
-    return json.load(open(out.name))
+  """Compiles the setups ``names`` in ``process``, for its target."""
+  args = (process.target, model, precision, policy, list(names))
+  return process.call(f"{__file__}:compile_cell", *args)
 
 
 def rows(results: dict[str, Any], config: mlp.MlpConfig) -> list[dict[str, Any]]:
@@ -263,7 +249,8 @@ def run(args: argparse.Namespace) -> list[str]:
   lines = []
   if args.scale:
     config = MODELS["7.5b"]
-    results = cell("v5e-64", "7.5b", "bf16", args.policy, ("GSPMD FSDP", *ZERO3))
+    with DevicelessProcess("v5e-64") as process:
+      results = cell(process, "7.5b", "bf16", args.policy, ("GSPMD FSDP", *ZERO3))
     hbm = deviceless_target("v5e-64").hbm_bytes / 2**30
     lines += report.section(
       f"TPU v5e 8 x 8 ({hbm:.2f} GiB of HBM a chip)",
@@ -273,32 +260,36 @@ def run(args: argparse.Namespace) -> list[str]:
     return lines
   if args.policies:
     for target in args.targets:
-      for policy in POLICIES:
-        config = MODELS[args.models[0]]
-        results = cell(target, args.models[0], "fp32", policy, ("GSPMD FSDP", "zero3 scan"))
-        gpu = deviceless_target(target).platform == "cuda"
-        title = f"{target}, remat policy {policy}"
-        lines += report.section(title, table(results, config, gpu))
+      with DevicelessProcess(target) as process:
+        for policy in POLICIES:
+          config = MODELS[args.models[0]]
+          results = cell(process, args.models[0], "fp32", policy, ("GSPMD FSDP", "zero3 scan"))
+          gpu = deviceless_target(target).platform == "cuda"
+          title = f"{target}, remat policy {policy}"
+          lines += report.section(title, table(results, config, gpu))
     return lines
   if args.gpu_flags:
     config = MODELS[args.models[0]]
     for name, flags in GPU_FLAGS.items():
-      results = cell("h100x8", args.models[0], "fp32", args.policy, SETUPS[1:], flags)
+      with DevicelessProcess("h100x8", xla_flags=flags) as process:
+        results = cell(process, args.models[0], "fp32", args.policy, SETUPS[1:])
       lines += report.section(
         f"h100x8, XLA_FLAGS: {name} (`{flags}`)", table(results, config, True)
       )
     return lines
-  for model in args.models:
-    config = MODELS[model]
-    for precision in args.precisions:
-      for target in args.targets:
-        results = cell(target, model, precision, args.policy, SETUPS)
-        gpu = deviceless_target(target).platform == "cuda"
-        lines += report.section(
-          f"{target}, {model}, {precision}",
-          describe(model, config, precision, args.policy),
-          table(results, config, gpu),
-        )
+  with contextlib.ExitStack() as stack:
+    processes = {t: stack.enter_context(DevicelessProcess(t)) for t in args.targets}
+    for model in args.models:
+      config = MODELS[model]
+      for precision in args.precisions:
+        for target in args.targets:
+          results = cell(processes[target], model, precision, args.policy, SETUPS)
+          gpu = deviceless_target(target).platform == "cuda"
+          lines += report.section(
+            f"{target}, {model}, {precision}",
+            describe(model, config, precision, args.policy),
+            table(results, config, gpu),
+          )
   return lines
 
 
@@ -320,15 +311,7 @@ def main() -> None:
   modes.add_argument("--policies", action="store_true", help="each remat policy, FSDP and zero3")
   modes.add_argument("--gpu-flags", action="store_true", help="XLA:GPU flag sets compared")
   report.add_output_flags(parser)
-  parser.add_argument("--child", choices=DEVICELESS_TARGETS, help=argparse.SUPPRESS)
-  parser.add_argument("--model", help=argparse.SUPPRESS)
-  parser.add_argument("--precision", help=argparse.SUPPRESS)
-  parser.add_argument("--setups", nargs="+", help=argparse.SUPPRESS)
-  parser.add_argument("--out", help=argparse.SUPPRESS)
   args = parser.parse_args()
-  if args.child:
-    compile_cell(args)
-    return
   clock = report.Clock()
   lines = run(args)
   argv = sys.argv[1:]

@@ -31,9 +31,10 @@ N ways) are the train step's temporaries. "arguments", "outputs" and "temporarie
 reports one. A program that does not fit is refused by the compiler: its row
 says so.
 
-Run (each machine compiles in a process of its own and is cached in
-``--cache``, where a run compiles only the programs missing; about 10 minutes for all four
-on 2 cores, --again compiles them all again)::
+Run (each machine compiles in a ``zerojax.diagnostics.DevicelessProcess`` of its own, which
+runs ``compile_program`` for each program, and is cached in ``--cache``, where a run compiles
+only the programs missing; about 10 minutes for all four on 2 cores, --again compiles them all
+again)::
 
   python benchmarks/big_models.py --markdown docs/big_models.md
   python benchmarks/big_models.py --only 70B:v5e-256
@@ -42,9 +43,8 @@ on 2 cores, --again compiles them all again)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax.diagnostics import deviceless_environment, deviceless_mesh, deviceless_target
+from zerojax.diagnostics import DevicelessProcess, deviceless_mesh, deviceless_target
 
 GIB = 2**30
 #: The (model, machine) pairs, as ``--only`` names them.
@@ -254,35 +254,39 @@ def measure(lower: Any, *args: Any) -> dict[str, Any]:
   }
 
 
-def compile_all(
-  model: str, target: str, cached: dict[str, dict[str, Any]]
-) -> dict[str, dict[str, Any]]:
-  """Every setup's per-device bytes on ``target``, or the compiler's reason it does not fit;
-  those in ``cached`` as they are."""
-  programs = Programs(transformer.CONFIGS[model], target)
-  results = {}
-  for program, setup in SETUPS:
-    if f"{program}: {setup}" in cached:
-      results[f"{program}: {setup}"] = cached[f"{program}: {setup}"]
-      continue
-    row = {"formula": programs.formula(program, setup), **measure(programs.lower, program, setup)}
-    results[f"{program}: {setup}"] = row
-    print(f"{model} on {target}, {program}: {setup}: {row}", flush=True)
-  return results
+@functools.cache
+def _programs(model: str, target: str) -> Programs:
+  return Programs(transformer.CONFIGS[model], target)
+
+
+def compile_program(model: str, target: str, program: str, setup: str) -> dict[str, Any]:
+  """``program: setup`` 's row on ``target``: its formula and ``measure`` 's per-device bytes, or
+  the compiler's reason it does not fit (in a ``DevicelessProcess`` for ``target``: ``run``
+  calls this)."""
+  programs = _programs(model, target)
+  return {"formula": programs.formula(program, setup), **measure(programs.lower, program, setup)}
 
 
 def run(name: str, cache: Path, again: bool) -> dict[str, Any]:
   """``name``'s results (``programs`` and the ``seconds`` they took to compile), from ``cache``
-  or compiled in a process started for its machine."""
+  or compiled in a ``DevicelessProcess`` for its machine."""
   model, target = name.split(":")
   path = cache / f"{model}-{target}.json"
-  cached = {} if again or not path.exists() else json.loads(path.read_text())["programs"]
-  if set(cached) != {f"{program}: {setup}" for program, setup in SETUPS}:
+  cached = {} if again or not path.exists() else json.loads(path.read_text())
+  done = cached.get("programs", {})
+  keys = [f"{program}: {setup}" for program, setup in SETUPS]
+  if set(done) != set(keys):
+    clock = report.Clock()
+    programs = {}
+    with DevicelessProcess(target, scheduler_log=False) as process:
+      for key, (program, setup) in zip(keys, SETUPS, strict=True):
+        if key not in done:
+          done[key] = process.call(f"{__file__}:compile_program", model, target, program, setup)
+          print(f"{model} on {target}, {program}: {setup}: {done[key]}", flush=True)
+        programs[key] = done[key]
     cache.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **deviceless_environment(target, scheduler_log=False)}
-    command = [sys.executable, os.path.abspath(__file__), "--child", name, "--cache", str(cache)]
-    command += ["--again"] if again else []
-    subprocess.run(command, env=env, check=True)
+    seconds = cached.get("seconds", 0) + clock.elapsed()
+    path.write_text(json.dumps({"programs": programs, "seconds": seconds}, indent=1))
   return json.loads(path.read_text())
 
 
@@ -317,21 +321,11 @@ def section(name: str, results: dict[str, dict[str, Any]]) -> list[str]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--child", help=argparse.SUPPRESS)
   parser.add_argument("--only", action="append", choices=RUNS, help="one model:machine pair")
   parser.add_argument("--cache", type=Path, default=Path("/tmp/zerojax-big-models"))
   parser.add_argument("--again", action="store_true", help="compile again what is cached")
   report.add_output_flags(parser)
   args = parser.parse_args()
-  if args.child:
-    model, target = args.child.split(":")
-    path = args.cache / f"{model}-{target}.json"
-    cached = {} if args.again or not path.exists() else json.loads(path.read_text())
-    clock = report.Clock()
-    programs = compile_all(model, target, cached.get("programs", {}))
-    results = {"programs": programs, "seconds": cached.get("seconds", 0) + clock.elapsed()}
-    path.write_text(json.dumps(results, indent=1))
-    return
   clock = report.Clock()
   lines, seconds = [], 0.0
   for name in args.only or RUNS:

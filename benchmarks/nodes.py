@@ -30,8 +30,8 @@ arguments against the ZeRO formula, 12Ψ/N bytes of model states per device
 (fp32 parameters and Adam's two moments) plus the device's batch, from 8 to
 256 devices.
 
-Each target compiles in a process of its own, started with
-``zerojax.diagnostics.deviceless_environment(target)``. Every result is kept in
+Each target compiles in a ``zerojax.diagnostics.DevicelessProcess`` of its own,
+which runs ``compile_named`` for each of the target's setups. Every result is kept in
 a JSON cache (``--cache``, committed beside this script) under its target,
 model and setup, with the commit it was compiled at, and compiled again only
 with ``--refresh`` (the 16-node and TPU compiles are the slow ones).
@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
 import re
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 import jax
@@ -67,12 +67,7 @@ from jax.sharding import PartitionSpec as P
 from matplotlib.figure import Figure
 
 import zerojax
-from zerojax.diagnostics import (
-  DEVICELESS_TARGETS,
-  deviceless_environment,
-  deviceless_mesh,
-  deviceless_target,
-)
+from zerojax.diagnostics import DevicelessProcess, deviceless_mesh, deviceless_target
 
 MIB = 2**20
 AXES = ("node", "data")
@@ -111,13 +106,6 @@ PAPER_ACROSS = 0.75
 def config_of(model: str, devices: int) -> mlp.MlpConfig:
   layers, d, hidden, tokens = MODELS[model]
   return mlp.MlpConfig(layers, d, hidden, tokens * devices)
-
-
-def devices_of(target: str) -> int:
-  """How many devices ``target`` has, from its topology's name (in any process)."""
-  spec = deviceless_target(target)
-  shape = spec.topology.split(":")[-1]
-  return math.prod(int(n) for n in shape.split("x")) * spec.slices
 
 
 def nodes_of(target: str) -> int:
@@ -257,18 +245,19 @@ def _trip_count(line: str, computations: dict[str, list[str]]) -> float:
   return found[0] if len(found) == 1 else float("nan")
 
 
-def compile_cell(args: argparse.Namespace) -> None:
-  """``--child``: compiles each of ``args.setups`` for ``args.child``, writing JSON as it goes."""
-  nodes = nodes_of(args.child)
-  count = devices_of(args.child)
-  mesh = deviceless_mesh(args.child, (nodes, count // nodes), AXES, (AxisType.Explicit,) * 2)
-  config = config_of(args.model, mesh.size)
-  results = {}
-  for name in args.setups:
-    results[name] = measure_setup(build(name, config, mesh), args.child, mesh)
-    print(f"compiled {name} for {args.child}", file=sys.stderr, flush=True)
-    with open(args.out, "w") as out:  # what is done survives a later failure
-      json.dump(results, out)
+@functools.cache
+def node_mesh(target: str) -> jax.sharding.Mesh:
+  """``target``'s devices on the ``node x data`` mesh (in a process compiling for it)."""
+  nodes = nodes_of(target)
+  count = deviceless_target(target).device_count
+  return deviceless_mesh(target, (nodes, count // nodes), AXES, (AxisType.Explicit,) * 2)
+
+
+def compile_named(target: str, model: str, name: str) -> dict[str, Any]:
+  """What the setup ``name`` of ``model`` needs and moves, compiled for ``target`` (in a
+  ``DevicelessProcess`` for it: ``compile_missing`` calls this)."""
+  mesh = node_mesh(target)
+  return measure_setup(build(name, config_of(model, mesh.size), mesh), target, mesh)
 
 
 # ---------------------------------------------------------------------------
@@ -284,24 +273,24 @@ def commit() -> str:
   return git("rev-parse", "--short", "HEAD").strip() + ("+" if dirty else "")
 
 
-def compiled(target: str, model: str, names, cache: dict, refresh: bool) -> dict[str, Any]:
-  """The results of ``names`` for ``target`` and ``model``, compiling those not in ``cache``."""
-  known = cache.setdefault(f"{target} {model}", {})
-  missing = [name for name in names if refresh or name not in known]
-  if missing:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-      command = [sys.executable, os.path.abspath(__file__), "--child", target, "--out", out.name]
-      command += ["--model", model, "--setups", *missing]
-      env = {**os.environ, **deviceless_environment(target)}
-      print(f"compiling {len(missing)} setups of {model} for {target}", file=sys.stderr)
-      done = subprocess.run(command, env=env, capture_output=True, text=True)
-      with open(out.name) as f:
-        found = json.load(f) if os.path.getsize(out.name) else {}
-      stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
-      known.update({name: result | stamp for name, result in found.items()})
-      if done.returncode:
-        raise RuntimeError(f"compiling for {target} failed:\n{done.stderr[-4000:]}")
-  return {name: known[name] for name in names}
+def compile_missing(wanted: dict[str, list[str]], models, cache: dict, refresh: bool) -> None:
+  """Compiles into ``cache`` the setups ``wanted`` for each target, of each of ``models``, that
+  it does not hold (all of them with ``refresh``), in one ``DevicelessProcess`` a target."""
+  for target, names in wanted.items():
+    missing = {
+      model: [name for name in names if refresh or name not in cache.get(f"{target} {model}", {})]
+      for model in models
+    }
+    if not any(missing.values()):
+      continue
+    stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
+    with DevicelessProcess(target) as process:
+      for model, names in missing.items():
+        known = cache.setdefault(f"{target} {model}", {})
+        if names:
+          print(f"compiling {len(names)} setups of {model} for {target}", file=sys.stderr)
+        for name in names:  # each kept as it is done: it survives a later failure
+          known[name] = process.call(f"{__file__}:compile_named", target, model, name) | stamp
 
 
 def across(result: dict[str, Any], target: str) -> float:
@@ -309,7 +298,7 @@ def across(result: dict[str, Any], target: str) -> float:
   if "across slices" in result:
     return sum(result["across slices"].values())
   nodes = nodes_of(target)
-  per_node = devices_of(target) // nodes
+  per_node = deviceless_target(target).device_count // nodes
   return measure.cross_node(result["bytes"], per_node) if nodes > 1 else 0.0
 
 
@@ -395,7 +384,8 @@ def tpu_table(results: dict, model: str, targets: list[str]) -> list[str]:
         cross = f", {across(r, t) / (4 * config_of(model, 1).parameters):.2f} M"
       row[t] = memory_cell(r) + cross
     rows.append(row)
-  heads = {t: (f"{t} ({nodes_of(t)} x {devices_of(t) // nodes_of(t)})", "s") for t in targets}
+  per_node = lambda t: deviceless_target(t).device_count // nodes_of(t)
+  heads = {t: (f"{t} ({nodes_of(t)} x {per_node(t)})", "s") for t in targets}
   return report.section(
     f"{model} on TPU v5e: MiB per chip, arguments / temporaries, and on several slices the "
     "bytes crossing into or out of a slice per step (ZeRO++'s accounting)",
@@ -407,7 +397,7 @@ def memory_rows(results: dict, model: str) -> list[dict[str, Any]]:
   """zero3 and hybrid: model states per device (arguments less the batch) against the formula."""
   rows = []
   for target, by_setup in results.items():
-    count = devices_of(target)
+    count = deviceless_target(target).device_count
     for name, replicas in (("zero3", 1), ("hybrid", nodes_of(target))):
       if name not in by_setup or "error" in by_setup[name]:
         continue
@@ -551,6 +541,13 @@ def run(args: argparse.Namespace, cache: dict) -> list[str]:
   lines = []
   gpu_targets = [t for t in args.targets if deviceless_target(t).platform == "cuda"]
   tpu_targets = [t for t in args.targets if deviceless_target(t).platform == "tpu"]
+  tpu_setups = [name for name in args.setups if not name.endswith(DEFERRED)]
+  wanted = {t: list(args.setups) for t in gpu_targets} | {t: tpu_setups for t in tpu_targets}
+  for target in MEMORY_TARGETS:
+    names = wanted.get(target, [])
+    wanted[target] = names if "zero3" in names else [*names, "zero3"]
+  compile_missing(wanted, args.models, cache, args.refresh)
+  chosen = lambda target, model, names: {name: cache[f"{target} {model}"][name] for name in names}
   where = lambda name: report.plot_path(args.plots, args.markdown, name)
   for model in args.models:
     _, d, hidden, tokens = MODELS[model]
@@ -563,10 +560,9 @@ def run(args: argparse.Namespace, cache: dict) -> list[str]:
       f"in fp32), {tokens:,} tokens a device, fp32, `optax.adam`, matmul outputs saved.",
       "",
     ]
-    gpu = {t: compiled(t, model, args.setups, cache, args.refresh) for t in gpu_targets}
-    tpu_setups = [name for name in args.setups if not name.endswith(DEFERRED)]
-    tpu = {t: compiled(t, model, tpu_setups, cache, args.refresh) for t in tpu_targets}
-    extra = {t: compiled(t, model, ["zero3"], cache, args.refresh) for t in MEMORY_TARGETS}
+    gpu = {t: chosen(t, model, args.setups) for t in gpu_targets}
+    tpu = {t: chosen(t, model, tpu_setups) for t in tpu_targets}
+    extra = {t: chosen(t, model, ["zero3"]) for t in MEMORY_TARGETS}
     if gpu:
       lines += gpu_tables(gpu, model, gpu_targets)
       path, relative = where(f"nodes_{model}.png")
@@ -601,13 +597,7 @@ def main() -> None:
   parser.add_argument("--cache", default=default_cache, help="the JSON file of past compiles")
   parser.add_argument("--refresh", action="store_true", help="compile again what is cached")
   report.add_output_flags(parser, plots=True)
-  parser.add_argument("--child", choices=DEVICELESS_TARGETS, help=argparse.SUPPRESS)
-  parser.add_argument("--model", help=argparse.SUPPRESS)
-  parser.add_argument("--out", help=argparse.SUPPRESS)
   args = parser.parse_args()
-  if args.child:
-    compile_cell(args)
-    return
   args.cache_name = os.path.relpath(args.cache)
   clock = report.Clock()
   cache = {}
