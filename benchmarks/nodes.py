@@ -50,7 +50,6 @@ import functools
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from typing import Any
@@ -167,82 +166,11 @@ def measure_setup(setup: setups_lib.Setup, target: str, mesh) -> dict[str, Any]:
   return result
 
 
-_DTYPE_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1}
-
-
 def dcn_bytes(text: str, slices: int, per_slice: int) -> dict[str, float]:
-  """Bytes into or out of one slice per step over the data-center network, by transfer kind.
-
-  Compiled for several slices, XLA:TPU's program is one slice's, and each
-  collective across slices is a host-transfer ``send`` / ``recv`` pair marked
-  ``_xla_megascale_transfer_type``, which ``count_collectives_by_axes`` does
-  not read. Each ``send``'s operand is one chip's part; counted as
-  ``measure.cross_node`` counts a collective over the slice axis alone (an
-  all-gather by its result, an all-reduce twice, each chip of the slice once),
-  a send in a loop once per trip.
-  """
-  computations: dict[str, list[str]] = {}
-  entry, current = "", None
-  for line in text.splitlines():
-    header = re.match(r"(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
-    if header:
-      current = header.group(2)
-      computations[current] = []
-      entry = current if header.group(1) else entry
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      computations[current].append(line)
-  executions: dict[str, float] = {}
-
-  def visit(name: str, times: float) -> None:
-    executions[name] = executions.get(name, 0) + times
-    for line in computations.get(name, ()):
-      body = re.search(r"\bbody=%([\w.\-]+)", line)
-      if body:  # a loop whose trip count is unreadable makes its sends' count nan
-        visit(body.group(1), times * _trip_count(line, computations))
-      called = re.search(r" call\(.*to_apply=%([\w.\-]+)", line)
-      branches = re.search(r" conditional\(.*branch_computations=\{([^}]*)\}", line)
-      callees = [called.group(1)] if called else []
-      callees += re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
-      for callee in callees:
-        visit(callee, times)
-
-  visit(entry, 1)
-  times = {
-    "ALL_GATHER": slices * per_slice,
-    "REDUCE_SCATTER": per_slice,
-    "ALL_TO_ALL": per_slice,
-    "ALL_REDUCE": 2 * per_slice,
-  }
-  moved: dict[str, float] = {}
-  for name, lines in computations.items():
-    for line in lines:
-      kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
-      shape = re.search(r"= \((\w+)\[([\d,]*)\]", line)
-      if kind is None or shape is None or " send(" not in line:
-        continue
-      dims = [int(n) for n in shape.group(2).split(",") if n]
-      count = _DTYPE_BYTES[shape.group(1)] * math.prod(dims) * executions.get(name, 0)
-      count *= times.get(kind.group(1), per_slice)  # ONE_TO_ONE (a permute): once a chip
-      moved[kind.group(1)] = moved.get(kind.group(1), 0) + count
-  return moved
-
-
-def _trip_count(line: str, computations: dict[str, list[str]]) -> float:
-  """A while loop's trip count: XLA's ``known_trip_count``, else its condition's ``i < N``.
-
-  ``nan`` if neither says (GSPMD's windowed loops, say).
-  """
-  known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-  if known:
-    return int(known.group(1))
-  condition = re.search(r"condition=%([\w.\-]+)", line)
-  text = "\n".join(computations.get(condition.group(1), ())) if condition else ""
-  constants = dict(re.findall(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", text))
-  bounds = re.findall(r"compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT", text)
-  found = [int(constants[bound]) for bound in bounds if bound in constants]
-  return found[0] if len(found) == 1 else float("nan")
+  """Bytes into or out of one slice per step over the data-center network, by transfer kind:
+  ``zerojax.diagnostics.count_across_slices`` (a chip's) for each chip of the slice."""
+  counted = zerojax.diagnostics.count_across_slices(text, slices)
+  return {kind: count * per_slice for kind, count in counted.items()}
 
 
 @functools.cache

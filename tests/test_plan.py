@@ -134,9 +134,11 @@ def test_measuring_times_the_candidates_on_this_machine(tmp_path):
     zerojax.plan(plan_program.TINY, "v5e-8", space=space, measure=1)
 
 
-def test_bytes_across_nodes_are_counted_on_a_machine_of_two_nodes(tmp_path):
-  """On two nodes of 8 H100 every mesh has a node axis: stage 3 over all 16 devices sends
-  bytes across nodes, hybrid sharding (states sharded within a node) sends fewer."""
+@pytest.mark.parametrize("target, per_node", [("h100x16", 8), ("2xv5e-16", 16)])
+def test_bytes_across_nodes_are_counted_on_a_machine_of_two_nodes(tmp_path, target, per_node):
+  """On two nodes of 8 H100 (or two TPU slices, whose transfers between them are sends over
+  the data-center network) every mesh has a node axis: stage 3 over every device sends bytes
+  across nodes, hybrid sharding (states sharded within a node) sends fewer."""
   space = Space(
     stages=(3,),
     sharding=("full", "hybrid"),
@@ -145,9 +147,9 @@ def test_bytes_across_nodes_are_counted_on_a_machine_of_two_nodes(tmp_path):
     remat=("full",),
     batches=(1,),
   )
-  found = zerojax.plan(plan_program.TINY, "h100x16", space=space, cache=tmp_path, workers=1)
+  found = zerojax.plan(plan_program.TINY, target, space=space, cache=tmp_path, workers=1)
   full = found.outcome(Setup(batch=1))
   hybrid = found.outcome(Setup(sharding="hybrid", batch=1))
   assert 0 < hybrid.across_bytes < full.across_bytes
   assert hybrid.within_bytes > 0  # its gathers stay inside a node
-  assert "jax.make_mesh((2, 8), ('node', 'data'))" in planning.code(found, full.setup)
+  assert f"jax.make_mesh((2, {per_node}), ('node', 'data'))" in planning.code(found, full.setup)

@@ -28,7 +28,12 @@ from zerojax._src.diagnostics.deviceless import environment as deviceless_enviro
 from zerojax._src.diagnostics.deviceless import find_target as deviceless_target
 from zerojax._src.diagnostics.deviceless import mesh as deviceless_mesh
 from zerojax._src.diagnostics.gpu_log import ComputationEstimate, StepEstimate, scheduler_estimate
-from zerojax._src.diagnostics.hlo import Collective, count_collectives, count_collectives_by_axes
+from zerojax._src.diagnostics.hlo import (
+  Collective,
+  count_across_slices,
+  count_collectives,
+  count_collectives_by_axes,
+)
 from zerojax._src.diagnostics.overlap import LoopCollectives, loop_collectives
 from zerojax._src.diagnostics.process import DevicelessProcess
 from zerojax._src.diagnostics.process import find as find_by_name
@@ -50,6 +55,7 @@ __all__ = (
   "StepProfile",
   "capture_stderr",
   "chip",
+  "count_across_slices",
   "count_collectives",
   "count_collectives_by_axes",
   "deviceless_environment",

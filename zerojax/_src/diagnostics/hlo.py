@@ -204,6 +204,71 @@ def count_collectives_by_axes(
   }
 
 
+#: How many times a chip's part a transfer across slices sends: an all-gather's result holds
+#: every slice's part, an all-reduce is a reduce-scatter and an all-gather.
+_ACROSS_SLICES = {"ALL_GATHER": None, "ALL_REDUCE": 2}
+
+
+def count_across_slices(hlo: str | jax.stages.Compiled, slices: int) -> dict[str, int]:
+  """Bytes each chip sends to other slices in one step, by transfer kind, loops unrolled.
+
+  Compiled for several TPU slices, XLA:TPU's program is one slice's, and each
+  collective across slices is a host-transfer ``send`` / ``recv`` pair marked
+  ``_xla_megascale_transfer_type`` (``ALL_GATHER``, ``REDUCE_SCATTER``,
+  ``ALL_REDUCE``, ``ALL_TO_ALL``, ``ONE_TO_ONE``), which the collective
+  counters do not see. Each ``send`` carries one chip's part: an all-gather
+  counts it once per slice (its result, as ``count_collectives`` counts an
+  all-gather), an all-reduce twice, the others once; a send in a loop once
+  per trip.
+
+  Args:
+    hlo: a program compiled for several slices, or its text.
+    slices: how many slices it was compiled for.
+
+  Returns:
+    Bytes per step by transfer kind; empty for a program of one slice.
+
+  Example:
+    One all-reduce across two slices of a chip's 1024 bfloat16 values:
+
+    >>> send = ("  %s = (bf16[1024]{0}, u32[], token[]) send(%a, %t), channel_id=1, "
+    ...         'frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}')
+    >>> hlo = "\\n".join([
+    ...   "ENTRY %main (a: bf16[1024]) -> bf16[1024] {",
+    ...   "  %a = bf16[1024]{0} parameter(0)",
+    ...   "  %t = token[] after-all()",
+    ...   send,
+    ...   "  ROOT %c = bf16[1024]{0} copy(%a)",
+    ...   "}",
+    ... ])
+    >>> count_across_slices(hlo, slices=2)
+    {'ALL_REDUCE': 4096}
+  """
+  computations, entry = parse_module(text_of(hlo))
+
+  @functools.cache
+  def per_execution(name: str) -> dict[str, int]:
+    totals: dict[str, int] = collections.Counter()
+    for instruction in computations.get(name, ()):
+      kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', instruction.attributes)
+      if instruction.opcode == "send" and kind is not None:
+        part = _shape_bytes(_ARRAY.search(instruction.shape).group(0))
+        times = _ACROSS_SLICES.get(kind.group(1), 1) or slices
+        totals[kind.group(1)] += part * times
+      for role, callees in CALLEES.findall(instruction.attributes):
+        if role == "condition":
+          continue
+        for callee in re.findall(r"[\w.\-]+", callees.replace("%", " ")):
+          inner = per_execution(callee)
+          if inner:
+            times = trip_count(instruction, computations) if role == "body" else 1
+            for key, count in inner.items():
+              totals[key] += times * count
+    return dict(totals)
+
+  return per_execution(entry)
+
+
 def text_of(hlo: str | jax.stages.Compiled) -> str:
   """The HLO text of a compiled program (or ``hlo`` itself, given text).
 

@@ -184,7 +184,8 @@ def _read(program, setup, target, mesh, compiled, log: str, seconds: float) -> O
     memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
   )
   text = compiled.as_text()
-  within, across = link_bytes(text, mesh, machine(target)[1])
+  slices = 1 if target == LOCAL else deviceless.find_target(target).slices
+  within, across = link_bytes(text, mesh, machine(target)[1], slices)
   examples = setup.batch * mesh.size // setup.pipeline
   seconds_estimate, source = _step_time(target, text, log, compiled, within, across)
   tokens = examples * program.tokens_per_example
@@ -240,14 +241,19 @@ def measure_setup(program: program_lib.Program, setup: Setup, steps: int = 3) ->
 _SENT = {"all-reduce": 2.0}
 
 
-def link_bytes(text: str, mesh: Mesh, nodes: int) -> tuple[float, float]:
+def link_bytes(text: str, mesh: Mesh, nodes: int, slices: int = 1) -> tuple[float, float]:
   """Bytes a device sends per step inside its node and across nodes.
 
   A collective is across nodes if one of the mesh axes it spans crosses
   nodes: the mesh lays the target's devices out in order, ``len // nodes``
   a node (``mesh_shape``), so an axis crosses them where moving along it
-  changes node.
+  changes node. Compiled for several TPU slices, the program is one slice's:
+  its collectives stay inside the slice, and what crosses slices is the
+  data-center network's transfers (``count_across_slices``).
   """
+  if slices > 1:
+    within = sum(c.bytes * _SENT.get(kind, 1.0) for kind, c in hlo.count_collectives(text).items())
+    return within, float(sum(hlo.count_across_slices(text, slices).values()))
   position = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
   node = position // (mesh.size // nodes)
   crossing = {name for k, name in enumerate(mesh.axis_names) if np.any(np.diff(node, axis=k) != 0)}
