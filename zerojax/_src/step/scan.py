@@ -493,11 +493,12 @@ def _backward_rule(body, stack: _Stack, residuals, cotangents):
     state, _ = jax.lax.scan(step, state, middle, reverse=True)
     dcarry, weights, pending, dconsts, dothers, grads = state
     grads = store(grads, pending, 1)
-    first = jax.tree.map(lambda r: r[0], pullbacks)
     # The first layer's recomputation reads only what its forward pass kept, so XLA may run it
-    # before the loop and hold what it makes (a layer's attention scores) all through it; tied
-    # to the loop's result it runs after the loop, as the layers in the loop do.
-    first, dcarry = jax.lax.optimization_barrier((first, dcarry))
+    # before the loop and hold what it makes (a layer's attention scores) all through it; its
+    # residuals tied to the loop's result, it runs after the loop, as the layers in the loop do.
+    # The whole stack goes through the barrier, not layer 0's slice, which it would copy.
+    pullbacks, dcarry = jax.lax.optimization_barrier((pullbacks, dcarry))
+    first = jax.tree.map(lambda r: r[0], pullbacks)
     dcarry, pending, dconsts, dothers = layer_vjp(first, weights, 0, dcarry, dconsts, dothers)
   grads = store(grads, pending, 0)
   grads = [g.astype(jnp.result_type(t)) for g, t in zip(grads, targets, strict=True)]
