@@ -92,13 +92,13 @@ class DevicelessProcess:
   Args:
     target: one of ``DEVICELESS_TARGETS``; ``"local"`` runs the calls in this
       process instead.
+    xla_flags: ``XLA_FLAGS`` to compile with (``deviceless_environment``'s).
+    scheduler_log: on GPU, have XLA log its scheduler's estimate (read it
+      with ``capture_stderr`` and ``scheduler_estimate`` in the function).
 
   Raises:
     ValueError: for an unknown target, or one whose compiler is not installed
       (``pip install "zerojax[accelerators]"``).
-    xla_flags: ``XLA_FLAGS`` to compile with (``deviceless_environment``'s).
-    scheduler_log: on GPU, have XLA log its scheduler's estimate (read it
-      with ``capture_stderr`` and ``scheduler_estimate`` in the function).
 
   The process's only JAX platform is the CPU: the target's devices come from
   its topology (``deviceless_mesh``), and arrays that a module makes when
