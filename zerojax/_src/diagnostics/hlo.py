@@ -251,8 +251,9 @@ def count_across_slices(hlo: str | jax.stages.Compiled, slices: int) -> dict[str
     totals: dict[str, int] = collections.Counter()
     for instruction in computations.get(name, ()):
       kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', instruction.attributes)
-      if instruction.opcode == "send" and kind is not None:
-        part = _shape_bytes(_ARRAY.search(instruction.shape).group(0))
+      array = _ARRAY.search(instruction.shape)
+      if instruction.opcode == "send" and kind is not None and array is not None:
+        part = _shape_bytes(array.group(0))
         times = _ACROSS_SLICES.get(kind.group(1), 1) or slices
         totals[kind.group(1)] += part * times
       for role, callees in CALLEES.findall(instruction.attributes):

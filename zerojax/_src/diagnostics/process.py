@@ -60,6 +60,8 @@ def find(ref: str) -> Any:
       if folder not in sys.path:
         sys.path.insert(0, folder)
       spec = importlib.util.spec_from_file_location(name, path)
+      if spec is None or spec.loader is None:
+        raise ValueError(f"{ref!r}: {where!r} is not a Python file.")
       module = importlib.util.module_from_spec(spec)
       sys.modules[name] = module
       spec.loader.exec_module(module)
@@ -149,12 +151,14 @@ class DevicelessProcess:
       RuntimeError: if the function raises (its error is in the message) or the
         process dies (its last words are).
     """
-    if self._process is None:
+    process = self._process
+    if process is None:
       return json.loads(json.dumps(find(ref)(*args)))
-    self._process.stdin.write(json.dumps({"call": ref, "args": args}) + "\n")
-    self._process.stdin.flush()
+    assert process.stdin is not None and process.stdout is not None  # opened as pipes
+    process.stdin.write(json.dumps({"call": ref, "args": args}) + "\n")
+    process.stdin.flush()
     printed = []
-    for line in self._process.stdout:
+    for line in process.stdout:
       if line.startswith(_ANSWER):
         answer = json.loads(line.removeprefix(_ANSWER))
         if "error" in answer:
@@ -164,19 +168,20 @@ class DevicelessProcess:
     self._log.seek(0)
     last_words = [*self._log.read().splitlines()[-20:], *printed[-5:]]
     raise RuntimeError(
-      f"the process compiling for {self.target} died in {ref} (exit {self._process.wait()}):\n"
+      f"the process compiling for {self.target} died in {ref} (exit {process.wait()}):\n"
       + "\n".join(last_words)
     )
 
   def close(self) -> None:
     """Ends the process."""
-    if self._process is not None:
+    process, self._process = self._process, None
+    if process is not None:
+      assert process.stdin is not None and process.stdout is not None  # opened as pipes
       with contextlib.suppress(BrokenPipeError):  # a process that died has said why already
-        self._process.stdin.close()
-      self._process.wait()
-      self._process.stdout.close()
+        process.stdin.close()
+      process.wait()
+      process.stdout.close()
       self._log.close()
-      self._process = None
 
   def __enter__(self) -> DevicelessProcess:
     return self

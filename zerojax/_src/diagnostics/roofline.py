@@ -574,7 +574,8 @@ class _Program:
         read = 0.0  # updated in place: only the update moves
       elif user.opcode == "fusion":
         inner = [self._parameter_reads(self._callee(user), k) for k in positions]
-        read = None if None in inner else sum(inner)
+        known = [r for r in inner if r is not None]
+        read = sum(known) if len(known) == len(inner) else None
       else:
         return None
       if read is None:

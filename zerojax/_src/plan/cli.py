@@ -28,7 +28,7 @@ def _words(kind, allowed=None):
   def parse(text: str) -> tuple:
     values = tuple(kind(word) for word in text.split(","))
     wrong = [v for v in values if allowed is not None and v not in allowed]
-    if wrong:
+    if wrong and allowed is not None:
       choices = ", ".join(map(str, allowed))
       raise argparse.ArgumentTypeError(f"{wrong[0]!r} is not one of {choices}.")
     return values

@@ -161,8 +161,8 @@ def optimizer(program: Program, setup: Setup, mesh: jax.sharding.Mesh):
 
 def zero_options(setup: Setup, axis_names: tuple[str, ...]) -> dict[str, Any]:
   """The keyword arguments of ``zerojax.zero{stage}`` for ``setup`` on a mesh of ``axis_names``."""
-  data = tuple(a for a in axis_names if a != STAGE)
-  options: dict[str, Any] = {"axis_name": data if len(data) > 1 else data[0]}
+  data: tuple[str, ...] = tuple(a for a in axis_names if a != STAGE)
+  options: dict[str, Any] = {"axis_name": data[0] if len(data) == 1 else data}
   if setup.sharding == "hybrid":
     options = {"axis_name": "data", "replica_axis": "node"}
   elif setup.sharding == "hpz":

@@ -49,7 +49,7 @@ def _row(outcome: Outcome) -> str:
   name = outcome.setup.describe()
   if outcome.error:
     return f"| {name} | no: {outcome.error[:80]} | | | | | |"
-  peak = outcome.memory["peak"] / _GIB
+  peak = (outcome.memory or {}).get("peak", 0) / _GIB
   seconds = f"{outcome.step_seconds:.3g}" if outcome.step_seconds else ""
   speed = f"{outcome.tokens_per_second:,.0f}" if outcome.tokens_per_second else ""
   mfu = f"{outcome.mfu:.0%}" if outcome.mfu is not None else ""

@@ -61,7 +61,8 @@ class Plan:
   def fitting(self) -> list[Outcome]:
     """The candidates that fit, fastest first (most tokens per second in the estimate)."""
     found = [o for o in self.outcomes if o.fits]
-    return sorted(found, key=lambda o: (-(o.tokens_per_second or 0.0), o.memory["peak"]))
+    by_speed = lambda o: (-(o.tokens_per_second or 0.0), (o.memory or {}).get("peak", 0))
+    return sorted(found, key=by_speed)
 
   @property
   def best(self) -> Outcome | None:
@@ -163,9 +164,13 @@ def plan(
         failed = [o.setup for o in outcomes if o.out_of_memory]
         todo = [s for s in batch if not (prune and any(s.needs_at_least(f) for f in failed))]
         pruned += [s for s in batch if s not in todo]
-        found = {s: store.get(ref, target, s) for s in todo}
-        cached += sum(o is not None for o in found.values())
-        missing = [s for s in todo if found[s] is None]
+        found: dict[Setup, Outcome] = {}
+        for setup in todo:
+          kept = store.get(ref, target, setup)
+          if kept is not None:
+            found[setup] = kept
+        cached += len(found)
+        missing = [s for s in todo if s not in found]
         futures = [threads.submit(_compile, free, ref, target, s) for s in missing]
         for setup, future in zip(missing, futures, strict=True):
           found[setup] = future.result()
@@ -213,9 +218,10 @@ def _line(index: int, total: int, outcome: Outcome) -> str:
   head = f"[{index}/{total}] {outcome.setup.describe()}: "
   if outcome.error:
     return head + f"refused ({outcome.error[:120]})"
+  memory = outcome.memory or {}
   verdict = "fits" if outcome.fits else "does not fit"
   speed = f", {outcome.tokens_per_second:,.0f} tokens/s" if outcome.tokens_per_second else ""
   return (
-    head + f"{verdict}, {outcome.memory['peak'] / 2**30:.2f} of "
-    f"{outcome.memory['device'] / 2**30:.1f} GiB{speed} ({outcome.compile_seconds:.0f} s)"
+    head + f"{verdict}, {memory.get('peak', 0) / 2**30:.2f} of "
+    f"{memory.get('device', 0) / 2**30:.1f} GiB{speed} ({outcome.compile_seconds:.0f} s)"
   )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator
+from typing import Any, cast
 
 #: What the backward pass keeps, by the names ``Setup.remat`` takes: the ``policy=`` of
 #: ``zerojax.scan`` each stands for is in ``program.py``.
@@ -201,7 +202,10 @@ class Space:
       self.microbatches,
       self.prefetch,
     )
-    for batch, remat, stage, sharding, qw, qg, offload, stages, schedule, micro, prefetch in axes:
+    for combination in axes:
+      batch, remat, stage, sharding, qw, qg, offload, stages, schedule, micro, prefetch = cast(
+        tuple[Any, ...], combination
+      )
       across = sharding != "full" or qw or qg
       pipelined = stages > 1
       if (

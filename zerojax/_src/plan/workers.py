@@ -38,8 +38,9 @@ def reference(program: program_lib.Program | str) -> str:
   for name, module in list(sys.modules.items()):
     for attribute, value in list(getattr(module, "__dict__", {}).items()):
       if value is program:
-        if name == "__main__":
-          return f"{os.path.abspath(module.__file__)}:{attribute}"
+        file = getattr(module, "__file__", None)
+        if name == "__main__" and file:
+          return f"{os.path.abspath(file)}:{attribute}"
         return f"{name}:{attribute}"
   raise ValueError(
     f"cannot find program {program.name!r} at the top level of any module: the planner "
@@ -101,6 +102,7 @@ class Cache:
       [ref, source_digest(ref), target, setup.to_json(), *versions],
       sort_keys=True,
     )
+    assert self.directory is not None  # get and put return early without one
     return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
   def get(self, ref: str, target: str, setup: Setup) -> Outcome | None:
