@@ -7,7 +7,8 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -244,30 +245,15 @@ def count_across_slices(hlo: str | jax.stages.Compiled, slices: int) -> dict[str
     >>> count_across_slices(hlo, slices=2)
     {'ALL_REDUCE': 4096}
   """
-  computations, entry = parse_module(text_of(hlo))
 
-  @functools.cache
-  def per_execution(name: str) -> dict[str, int]:
-    totals: dict[str, int] = collections.Counter()
-    for instruction in computations.get(name, ()):
-      kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', instruction.attributes)
-      array = _ARRAY.search(instruction.shape)
-      if instruction.opcode == "send" and kind is not None and array is not None:
-        part = _shape_bytes(array.group(0))
-        times = _ACROSS_SLICES.get(kind.group(1), 1) or slices
-        totals[kind.group(1)] += part * times
-      for role, callees in CALLEES.findall(instruction.attributes):
-        if role == "condition":
-          continue
-        for callee in re.findall(r"[\w.\-]+", callees.replace("%", " ")):
-          inner = per_execution(callee)
-          if inner:
-            times = trip_count(instruction, computations) if role == "body" else 1
-            for key, count in inner.items():
-              totals[key] += times * count
-    return dict(totals)
+  def sends(instruction: _Instruction, shapes: dict[str, str]) -> Iterator[tuple[str, int]]:
+    kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', instruction.attributes)
+    array = _ARRAY.search(instruction.shape)
+    if instruction.opcode == "send" and kind is not None and array is not None:
+      times = _ACROSS_SLICES.get(kind.group(1), 1) or slices
+      yield kind.group(1), _shape_bytes(array.group(0)) * times
 
-  return per_execution(entry)
+  return {kind: sent.bytes for kind, sent in _unrolled(text_of(hlo), sends).items()}
 
 
 def text_of(hlo: str | jax.stages.Compiled) -> str:
@@ -295,19 +281,35 @@ def _tally(text: str, label: Callable[[_Instruction], Hashable]) -> dict[tuple, 
   The walk that both public counters share: see ``count_collectives`` for how
   loops, conditionals, asynchronous pairs and bytes count.
   """
+
+  def collectives(instruction: _Instruction, shapes: dict[str, str]) -> Iterator[tuple]:
+    kind = instruction.opcode.removesuffix("-start")
+    if kind in KINDS:
+      yield (label(instruction), kind), _moved_bytes(instruction, shapes)
+
+  return _unrolled(text, collectives)
+
+
+def _unrolled(
+  text: str, found_in: Callable[[_Instruction, dict[str, str]], Iterable[tuple[Hashable, int]]]
+) -> dict[Any, Collective]:
+  """Per key, how many times one step runs what ``found_in`` finds, and its bytes, loops unrolled.
+
+  ``found_in(instruction, shapes)`` yields ``(key, bytes)`` for each thing an
+  instruction does that is counted; a computation counts once per call, a
+  loop body once per trip, an asynchronous op's computation once, at its start.
+  """
   computations, entry = parse_module(text)
   shapes = {i.name: i.shape for body in computations.values() for i in body}
 
   @functools.cache
-  def per_execution(name: str) -> dict[tuple, Collective]:
-    """The collectives one execution of computation ``name`` runs, callees included."""
-    totals: dict[tuple, Collective] = collections.defaultdict(Collective)
+  def per_execution(name: str) -> dict[Any, Collective]:
+    """What one execution of computation ``name`` runs, callees included."""
+    totals: dict[Any, Collective] = collections.defaultdict(Collective)
     for instruction in computations.get(name, ()):
-      kind = instruction.opcode.removesuffix("-start")
-      if kind in KINDS:
-        total = totals[label(instruction), kind]
-        total.count += 1
-        total.bytes += _moved_bytes(instruction, shapes)
+      for key, moved in found_in(instruction, shapes):
+        totals[key].count += 1
+        totals[key].bytes += moved
       if instruction.opcode.endswith(("-done", "-update")):
         continue  # an async op's computation counts once, at its start
       for role, callees in CALLEES.findall(instruction.attributes):
@@ -316,9 +318,9 @@ def _tally(text: str, label: Callable[[_Instruction], Hashable]) -> dict[tuple, 
           if not any(c.count for c in inner.values()):
             continue
           times = trip_count(instruction, computations) if role == "body" else 1
-          for key, collective in inner.items():
-            totals[key].count += times * collective.count
-            totals[key].bytes += times * collective.bytes
+          for key, counted in inner.items():
+            totals[key].count += times * counted.count
+            totals[key].bytes += times * counted.bytes
     return dict(totals)
 
   return per_execution(entry)
