@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from zerojax._src.plan import program as program_lib
 from zerojax._src.plan.compile import Outcome, mesh_shape
 from zerojax._src.plan.search import Plan
@@ -97,7 +99,7 @@ def code(plan: Plan, setup: Setup | None = None) -> str:
     f"mesh = jax.make_mesh({shape}, {names})",
     f"tx = zerojax.zero{setup.stage}(optimizer, mesh=mesh, {', '.join(options)})",
     f"# a global batch of {setup.batch} examples per data rank, "
-    f"{setup.batch * _ranks(shape, setup)} in all, placed with P(tx.batch_axes)",
+    f"{setup.batch * math.prod(shape) // setup.pipeline} in all, placed with P(tx.batch_axes)",
     "def stack(layers, h):  # in the loss, between the embedding and the head",
     f"  return zerojax.scan({scan_call})[0]",
   ]
@@ -117,10 +119,3 @@ def advice(plan: Plan) -> str:
     f"no setup fits {plan.target}: widen the space (smaller batches, stage 3, remat='full', "
     "offload='optimizer', pipeline stages) or plan for a bigger machine."
   )
-
-
-def _ranks(shape: tuple[int, ...], setup: Setup) -> int:
-  total = 1
-  for size in shape:
-    total *= size
-  return total // setup.pipeline

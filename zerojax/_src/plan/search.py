@@ -149,7 +149,7 @@ def plan(
       "and the devices; hybrid sharding, hpZ and ZeRO++ need more than one node)."
     )
   say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-  store = workers_lib.Cache(cache)
+  store = workers_lib.Cache(cache, ref, target)
   count = 1 if target == LOCAL else max(1, min(workers or min(os.cpu_count() or 1, 4), 8))
   pool = [process_lib.DevicelessProcess(target) for _ in range(count)]
   free: queue.Queue[process_lib.DevicelessProcess] = queue.Queue()
@@ -166,7 +166,7 @@ def plan(
         pruned += [s for s in batch if s not in todo]
         found: dict[Setup, Outcome] = {}
         for setup in todo:
-          kept = store.get(ref, target, setup)
+          kept = store.get(setup)
           if kept is not None:
             found[setup] = kept
         cached += len(found)
@@ -174,7 +174,7 @@ def plan(
         futures = [threads.submit(_compile, free, ref, target, s) for s in missing]
         for setup, future in zip(missing, futures, strict=True):
           found[setup] = future.result()
-          store.put(ref, target, found[setup])
+          store.put(found[setup])
         for setup in todo:
           outcomes.append(found[setup])
           say(_line(len(outcomes), len(candidates) - len(pruned), found[setup]))

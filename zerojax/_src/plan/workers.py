@@ -10,7 +10,6 @@ setup, versions), so a second plan compiles only what is new.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -72,7 +71,6 @@ def source_digest(ref: str) -> str:
   return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:16] if path else ""
 
 
-@functools.cache
 def _zerojax_digest() -> str:
   """A digest of zerojax's own source: a changed zerojax (the step it builds, the estimates it
   reads) compiles again, between releases too."""
@@ -84,40 +82,44 @@ def _zerojax_digest() -> str:
 
 
 class Cache:
-  """Outcomes on disk, one JSON file per (program, its source, target, setup, versions, and
-  zerojax's own source).
+  """One plan's outcomes on disk: a JSON file per setup, named by the setup and by what else
+  decides the outcome (the program and its file's contents, the target, the versions, and
+  zerojax's own source), read once when the cache is made.
 
   Args:
     directory: where the files go; ``None`` keeps nothing.
+    ref: the program's reference.
+    target: the machine.
   """
 
-  def __init__(self, directory: str | os.PathLike | None):
-    self.directory = pathlib.Path(directory) if directory is not None else None
-
-  def _path(self, ref: str, target: str, setup: Setup) -> pathlib.Path:
+  def __init__(self, directory: str | os.PathLike | None, ref: str, target: str):
+    self.directory = None
+    if directory is None:
+      return
     import jax
 
+    self.directory = pathlib.Path(directory)
     versions = [jax.__version__, importlib.metadata.version("zerojax"), _zerojax_digest()]
-    key = json.dumps(
-      [ref, source_digest(ref), target, setup.to_json(), *versions],
-      sort_keys=True,
-    )
+    self._identity = [ref, source_digest(ref), target, *versions]
+
+  def _path(self, setup: Setup) -> pathlib.Path:
     assert self.directory is not None  # get and put return early without one
+    key = json.dumps([*self._identity, setup.to_json()], sort_keys=True)
     return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
-  def get(self, ref: str, target: str, setup: Setup) -> Outcome | None:
+  def get(self, setup: Setup) -> Outcome | None:
     """The cached outcome, if any."""
     if self.directory is None:
       return None
-    path = self._path(ref, target, setup)
+    path = self._path(setup)
     return Outcome.from_json(json.loads(path.read_text())) if path.exists() else None
 
-  def put(self, ref: str, target: str, outcome: Outcome) -> None:
+  def put(self, outcome: Outcome) -> None:
     """Keeps ``outcome`` (written whole, then renamed into place)."""
     if self.directory is None:
       return
     self.directory.mkdir(parents=True, exist_ok=True)
-    path = self._path(ref, target, outcome.setup)
+    path = self._path(outcome.setup)
     partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     partial.write_text(json.dumps(outcome.to_json()))
     partial.replace(path)
