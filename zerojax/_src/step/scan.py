@@ -474,6 +474,10 @@ def _backward_rule(body, stack: _Stack, residuals, cotangents):
   # The last layer, with the weights the forward pass ended with.
   opened = lambda i: stack.opened(_at(values, i), _at(sinks, i), _at(kept, i))
   upcoming = opened(last - 1) if last else weights
+  # Its recomputation, too, reads only what the forward pass kept: XLA may run it beside the
+  # forward pass's last layer, two layers' attention scores at once, unless it waits for the
+  # cotangent, as the layers in the loop do.
+  pullback, dcarry = jax.lax.optimization_barrier((pullback, dcarry))
   dcarry, dweights, dconsts, dothers = layer_vjp(pullback, weights, last, dcarry, dconsts, dothers)
   grads, pending = settle(grads, dweights, last)
 
