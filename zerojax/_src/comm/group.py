@@ -3,8 +3,8 @@
 A ``Group`` moves its shards side by side, one collective per shard issued
 together (XLA's combiners merge them where that pays): ``all_gather`` for
 stage 3's weights, ``read`` for stage 2's replicated copies, ``reduce_scatter``
-for every gradient. How a layer is opened from these is an ``Opening``
-(``opening.py``).
+for every gradient, in buckets of at most ``BUCKET_BYTES`` that go one after
+another. How a layer is opened from these is an ``Opening`` (``opening.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,19 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from zerojax._src.comm import primitives as comm
 from zerojax._src.comm import quantized as quantize
 from zerojax._src.sharding import layout as layout_lib
+
+#: The most bytes, in the reduce dtype, that one bucket of a group's gradient reductions moves
+#: (a larger gradient is a bucket of its own); the buckets go one after another. Issued at
+#: once, XLA:GPU's combiner merged a group's reductions into one collective, and the first
+#: layer's with the embedding's and the head's, so each cotangent and its float32 cast stayed
+#: alive until the last of them was ready. A layer that reduces less is one bucket, as before.
+#: The memory and XLA's estimate of the step, with and without: docs/big_models.md.
+BUCKET_BYTES = 256 * 2**20
 
 
 class Transfer(NamedTuple):
@@ -54,6 +63,8 @@ class Group(NamedTuple):
     packed: whether ``all_gather`` moves the shards in one collective per
       dtype; ``None``: on GPUs where ``axis_name`` crosses nodes
       (``comm.spans_nodes``).
+    bucket_bytes: the most bytes, in the reduce dtype, that one bucket of
+      unquantized gradient reductions moves (``reduce_scatter``).
   """
 
   transfers: tuple[Transfer, ...]
@@ -63,6 +74,7 @@ class Group(NamedTuple):
   gradients: quantize.Quantization | None
   secondary_axes: tuple[str, ...] = ()
   packed: bool | None = None
+  bucket_bytes: int = BUCKET_BYTES
 
   def all_gather(self, values: Sequence[jax.Array]) -> list[jax.Array]:
     """The full weights of ``values`` (this device's shards), padding sliced off.
@@ -104,22 +116,73 @@ class Group(NamedTuple):
   def reduce_scatter(self, cotangents: Sequence[jax.Array]) -> list[jax.Array]:
     """Each device's shard of the sum over devices of ``cotangents`` (full, unpadded).
 
-    Quantized, the shards' chunks move together, and over several data axes
-    the sum is taken inside each node first: over the secondary axes under
-    hpZ, else over the last data axis (``quantized.hierarchy``).
+    Unquantized, the reductions go in buckets (``buckets``), largest first;
+    a bucket's cotangents wait for the previous bucket's result (an
+    optimization barrier), so that XLA neither merges them nor casts them to
+    the reduce dtype early, and a cotangent ready before the others is not
+    held until the last one is. Quantized, the shards' chunks move together,
+    and over several data axes the sum is taken inside each node first: over
+    the secondary axes under hpZ, else over the last data axis
+    (``quantized.hierarchy``).
     """
-    count = jax.lax.axis_size(self.axis_name)
-    padded = []
-    for transfer, cotangent in zip(self.transfers, cotangents, strict=True):
-      size = transfer.shard_shape[transfer.axis] * count
-      padded.append(layout_lib.pad_to(cotangent.astype(transfer.reduce), transfer.axis, size))
-    shards = comm.reduce_scatter_together(
-      padded,
-      self.axis_name,
-      [transfer.axis for transfer in self.transfers],
-      self.gradients,
-      self.secondary_axes or None,
-    )
+    if self.gradients is None:
+      buckets = self.buckets([cotangent.size for cotangent in cotangents])
+    else:
+      buckets = [list(range(len(cotangents)))]
+    shards: list[Any] = [None] * len(cotangents)
+    previous: list[jax.Array] = []
+    for bucket in buckets:
+      pieces = [cotangents[i] for i in bucket]
+      if previous:
+        pieces, _ = jax.lax.optimization_barrier((pieces, previous))
+      previous = self._reduce_scatter_together(bucket, pieces)
+      for i, shard in zip(bucket, previous, strict=True):
+        shards[i] = shard
     return [
       shard.astype(transfer.grad) for transfer, shard in zip(self.transfers, shards, strict=True)
     ]
+
+  def buckets(self, sizes: Sequence[int]) -> list[list[int]]:
+    """The shards' indices in buckets of at most ``bucket_bytes`` reduced, largest first.
+
+    Each shard's gradient (of ``sizes`` elements) joins the last bucket if it
+    fits, else starts one.
+
+    Example:
+      >>> from zerojax._src.comm.group import Group, Transfer
+      >>> transfers = [Transfer(0, 8, (1,), "float32", "float32", "float32")] * 3
+      >>> Group(tuple(transfers), "data", (), None, None, bucket_bytes=64).buckets([4, 12, 8])
+      [[1], [2, 0]]
+    """
+    bytes_ = [
+      size * jnp.dtype(transfer.reduce).itemsize
+      for size, transfer in zip(sizes, self.transfers, strict=True)
+    ]
+    buckets: list[list[int]] = []
+    filled = 0
+    for i in sorted(range(len(sizes)), key=lambda i: -bytes_[i]):
+      if buckets and filled + bytes_[i] <= self.bucket_bytes:
+        buckets[-1].append(i)
+        filled += bytes_[i]
+      else:
+        buckets.append([i])
+        filled = bytes_[i]
+    return buckets
+
+  def _reduce_scatter_together(
+    self, indices: Sequence[int], cotangents: Sequence[jax.Array]
+  ) -> list[jax.Array]:
+    """The shards, in the reduce dtype, of the ``cotangents`` of ``indices``, issued at once."""
+    count = jax.lax.axis_size(self.axis_name)
+    transfers = [self.transfers[i] for i in indices]
+    padded = [
+      layout_lib.pad_to(cotangent.astype(t.reduce), t.axis, t.shard_shape[t.axis] * count)
+      for t, cotangent in zip(transfers, cotangents, strict=True)
+    ]
+    return comm.reduce_scatter_together(
+      padded,
+      self.axis_name,
+      [t.axis for t in transfers],
+      self.gradients,
+      self.secondary_axes or None,
+    )
