@@ -116,14 +116,17 @@ class Group(NamedTuple):
   def reduce_scatter(self, cotangents: Sequence[jax.Array]) -> list[jax.Array]:
     """Each device's shard of the sum over devices of ``cotangents`` (full, unpadded).
 
-    Unquantized, the reductions go in buckets (``buckets``), largest first;
-    a bucket's cotangents wait for the previous bucket's result (an
-    optimization barrier), so that XLA neither merges them nor casts them to
-    the reduce dtype early, and a cotangent ready before the others is not
-    held until the last one is. Quantized, the shards' chunks move together,
-    and over several data axes the sum is taken inside each node first: over
-    the secondary axes under hpZ, else over the last data axis
-    (``quantized.hierarchy``).
+    Unquantized, the reductions go in buckets (``buckets``), largest first,
+    held by optimization barriers: none starts before the last cotangent is
+    ready, and each bucket's cotangents wait for the previous bucket's
+    result, so that XLA neither merges the buckets nor casts a cotangent to
+    the reduce dtype early. Started as each cotangent became ready, the
+    reductions held their buffers beside the rest of the backward pass's: the
+    70B model's step at 4 layers on 128 H100 needed 6.6 GiB of temporaries,
+    4.9 when they wait (GSPMD FSDP's: 4.8). Quantized, the shards' chunks
+    move together, and over several data axes the sum is taken inside each
+    node first: over the secondary axes under hpZ, else over the last data
+    axis (``quantized.hierarchy``).
     """
     if self.gradients is None:
       buckets = self.buckets([cotangent.size for cotangent in cotangents])
@@ -131,6 +134,8 @@ class Group(NamedTuple):
       buckets = [list(range(len(cotangents)))]
     shards: list[Any] = [None] * len(cotangents)
     previous: list[jax.Array] = []
+    if len(buckets) > 1:
+      cotangents = jax.lax.optimization_barrier(list(cotangents))
     for bucket in buckets:
       pieces = [cotangents[i] for i in bucket]
       if previous:

@@ -67,9 +67,15 @@ def test_each_bucket_waits_for_the_last_and_the_sums_are_exact(axis_type, bucket
     np.testing.assert_allclose(np.asarray(shard), want, rtol=1e-6, atol=1e-6)
   found = barriers(jaxpr.jaxpr)
   buckets = group(bucket_bytes).buckets([int(np.prod(shape)) for shape in SHAPES])
-  assert len(found) == len(buckets) - 1
-  # Each barrier holds the next bucket's cotangents as they came, before their cast to float32,
-  # so XLA can neither cast them ahead of the previous bucket's reduction nor merge the two.
-  for eqn, bucket in zip(found, buckets[1:], strict=True):
+  if len(buckets) == 1:
+    assert not found  # one bucket: the collectives are issued together, as before buckets
+    return
+  # The first barrier holds every cotangent: no reduction starts before the last is ready.
+  # Each later one holds the next bucket's cotangents as they came, before their cast to
+  # float32, so XLA can neither cast them ahead of the previous bucket's reduction nor merge
+  # the two.
+  assert len(found) == len(buckets)
+  assert [v.aval.dtype for v in found[0].invars] == list(DTYPES)
+  for eqn, bucket in zip(found[1:], buckets[1:], strict=True):
     held = [v.aval.dtype for v in eqn.invars[: len(bucket)]]
     assert held == [DTYPES[i] for i in bucket]
