@@ -465,16 +465,28 @@ def plot_memory(memory: list[dict], model: str, path: str) -> None:
   figure.savefig(path, dpi=110, bbox_inches="tight")
 
 
+def wanted_setups(names, targets) -> dict[str, list[str]]:
+  """Which of ``names`` each of ``targets`` compiles (TPUs have no deferred rows), and zero3 on
+  the memory section's targets."""
+  wanted = {}
+  for target in targets:
+    tpu = deviceless_target(target).platform == "tpu"
+    wanted[target] = [name for name in names if not (tpu and name.endswith(DEFERRED))]
+  for target in MEMORY_TARGETS:
+    names = wanted.get(target, [])
+    wanted[target] = names if "zero3" in names else [*names, "zero3"]
+  return wanted
+
+
 def run(args: argparse.Namespace, cache: dict) -> list[str]:
   lines = []
   gpu_targets = [t for t in args.targets if deviceless_target(t).platform == "cuda"]
   tpu_targets = [t for t in args.targets if deviceless_target(t).platform == "tpu"]
-  tpu_setups = [name for name in args.setups if not name.endswith(DEFERRED)]
-  wanted = {t: list(args.setups) for t in gpu_targets} | {t: tpu_setups for t in tpu_targets}
-  for target in MEMORY_TARGETS:
-    names = wanted.get(target, [])
-    wanted[target] = names if "zero3" in names else [*names, "zero3"]
-  compile_missing(wanted, args.models, cache, args.refresh)
+  # --setups names what to compile (again, with --refresh); the tables read every setup, and
+  # compile the ones the cache lacks.
+  compile_missing(wanted_setups(args.setups, args.targets), args.models, cache, args.refresh)
+  compile_missing(wanted_setups(SETUPS, args.targets), args.models, cache, False)
+  tpu_setups = [name for name in SETUPS if not name.endswith(DEFERRED)]
   chosen = lambda target, model, names: {name: cache[f"{target} {model}"][name] for name in names}
   where = lambda name: report.plot_path(args.plots, args.markdown, name)
   for model in args.models:
@@ -488,7 +500,7 @@ def run(args: argparse.Namespace, cache: dict) -> list[str]:
       f"in fp32), {tokens:,} tokens a device, fp32, `optax.adam`, matmul outputs saved.",
       "",
     ]
-    gpu = {t: chosen(t, model, args.setups) for t in gpu_targets}
+    gpu = {t: chosen(t, model, SETUPS) for t in gpu_targets}
     tpu = {t: chosen(t, model, tpu_setups) for t in tpu_targets}
     extra = {t: chosen(t, model, ["zero3"]) for t in MEMORY_TARGETS}
     if gpu:
