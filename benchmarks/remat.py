@@ -16,8 +16,11 @@ under ``jax.jit`` on annotated parameters). The settings (``KEEPS``):
 * ``names offloaded``: ``save_and_offload_only_these_names`` of the same
   names, from ``"device"`` to ``"pinned_host"``.
 
-Compiled deviceless, each machine in a process of its own, cached in
-``--cache`` one program at a time. ``--largest`` finds, for a setting, the
+Compiled deviceless, each machine in a ``zerojax.diagnostics.DevicelessProcess``
+of its own (which runs ``compile_row``), cached in ``--cache`` one program at a
+time, each row stamped with the commit it was compiled at (``+``: with changes);
+a cached row is not compiled again unless ``--again`` is passed, so after a
+change to zerojax pass ``--again`` or a fresh ``--cache``. ``--largest`` finds, for a setting, the
 most sequences a device that still fit, by compiling (doubling, then
 bisecting), on both sides.
 
@@ -55,7 +58,7 @@ import jax
 import report
 import transformer
 
-from zerojax.diagnostics import deviceless_environment, deviceless_target
+from zerojax.diagnostics import DevicelessProcess, deviceless_target
 
 _policies = jax.checkpoint_policies
 #: What the backward pass keeps: the user's wrapping of the layer, the same on both sides.
@@ -100,28 +103,41 @@ def cache_path(cache: Path, model: str, target: str, layers: int | None) -> Path
   return cache / f"{model}{depth}-{target}.json"
 
 
-class Compiler:
-  """Compiles ``model``'s training step on ``target`` (in a process started for it), caching
-  each program's row in ``path`` as soon as it is compiled."""
+@functools.cache
+def _programs(model: str, target: str, layers: int | None, sequences: int) -> big_models.Programs:
+  return big_models.Programs(config_of(model, layers), target, sequences)
 
-  def __init__(self, config: transformer.Config, target: str, path: Path, again: bool):
-    self.config, self.target, self.path = config, target, path
+
+def compile_row(
+  model: str, target: str, layers: int | None, setting: str, side: str, sequences: int
+) -> dict[str, Any]:
+  """One program's row: ``big_models.measure`` 's per-device bytes, or the compiler's refusal
+  (in a ``DevicelessProcess`` for ``target``: ``Compiler.row`` calls this)."""
+  programs = _programs(model, target, layers, sequences)
+  tx = programs.bf16_reductions_tx if side == BF16_REDUCTIONS else programs.tx
+  return big_models.measure(programs.train, side != "GSPMD FSDP", tx, KEEPS[setting])
+
+
+class Compiler:
+  """Compiles ``model``'s training step on ``target`` in ``process`` (a ``DevicelessProcess``
+  for it), caching each program's row in ``path`` as soon as it is compiled, stamped with the
+  commit it was compiled at."""
+
+  def __init__(self, model: str, target: str, layers: int | None, path: Path, process: Any):
+    self.model, self.target, self.layers, self.path = model, target, layers, path
     self.machine = deviceless_target(target)
-    self.rows = {} if again or not path.exists() else json.loads(path.read_text())
-    self.programs: dict[int, big_models.Programs] = {}
+    self.rows = json.loads(path.read_text()) if path.exists() else {}
+    self.process = process
 
   def row(self, setting: str, side: str, sequences: int = 1) -> dict[str, Any]:
     name = key(setting, side, sequences)
     if name not in self.rows:
-      if sequences not in self.programs:
-        self.programs[sequences] = big_models.Programs(self.config, self.target, sequences)
-      programs = self.programs[sequences]
       clock = report.Clock()
-      tx = programs.bf16_reductions_tx if side == BF16_REDUCTIONS else programs.tx
-      row = big_models.measure(programs.train, side != "GSPMD FSDP", tx, KEEPS[setting])
-      self.rows[name] = row | {"seconds": clock.elapsed()}
+      args = (self.model, self.target, self.layers, setting, side, sequences)
+      row = self.process.call(f"{__file__}:compile_row", *args)
+      self.rows[name] = row | {"seconds": clock.elapsed(), "commit": commit()}
       self.path.write_text(json.dumps(self.rows, indent=1))
-      print(f"{self.config.layers} layers on {self.target}, {name}: {self.rows[name]}", flush=True)
+      print(f"{self.model} on {self.target}, {name}: {self.rows[name]}", flush=True)
     return self.rows[name]
 
   def fits(self, setting: str, side: str, sequences: int) -> bool:
@@ -141,45 +157,39 @@ class Compiler:
     return low
 
 
+def commit() -> str:
+  """The checkout's commit, with ``+`` if zerojax/ or the benchmarks are changed."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  git = lambda *a: subprocess.run(["git", "-C", here, *a], capture_output=True, text=True).stdout
+  dirty = git("status", "--porcelain", "--", "../zerojax", "*.py").strip()
+  return git("rev-parse", "--short", "HEAD").strip() + ("+" if dirty else "")
+
+
 def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
-  """``name``'s cached rows, after compiling in a process of its machine what is missing."""
+  """``name``'s cached rows, after compiling what is missing in a ``DevicelessProcess`` for its
+  machine (``--again``: everything asked for)."""
   model, target = name.split(":")
   args.cache.mkdir(parents=True, exist_ok=True)
   path = cache_path(args.cache, model, target, args.layers)
   if args.cached:
     return json.loads(path.read_text()) if path.exists() else {}
-  env = {**os.environ, **deviceless_environment(target, scheduler_log=False)}
-  # This checkout's zerojax, not whichever one is installed (a script's own folder, not the
-  # working directory, leads sys.path).
-  root = str(Path(__file__).resolve().parent.parent)
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
-  command = [sys.executable, os.path.abspath(__file__), "--child", name, "--cache", str(args.cache)]
-  for setting in args.settings or ():
-    command += ["--settings", setting]
-  for setting in args.largest or ():
-    command += ["--largest", setting]
-  for side in args.sides or ():
-    command += ["--sides", side]
-  command += ["--again"] if args.again else []
-  command += [] if args.layers is None else ["--layers", str(args.layers)]
-  subprocess.run(command, env=env, check=True)
-  return json.loads(path.read_text())
-
-
-def child(args: argparse.Namespace) -> None:
-  import zerojax
-
-  print(f"zerojax from {zerojax.__file__}", flush=True)
-  model, target = args.child.split(":")
-  path = cache_path(args.cache, model, target, args.layers)
-  compiler = Compiler(config_of(model, args.layers), target, path, args.again)
-  for setting in args.settings or KEEPS:
-    for side in args.sides or SIDES:
-      compiler.row(setting, side)
-  for setting in args.largest or ():
-    for side in SIDES:
-      compiler.rows[f"largest | {setting} | {side}"] = compiler.largest(setting, side)
-      compiler.path.write_text(json.dumps(compiler.rows, indent=1))
+  with DevicelessProcess(target, scheduler_log=False) as process:
+    compiler = Compiler(model, target, args.layers, path, process)
+    settings, sides = args.settings or list(KEEPS), args.sides or list(SIDES)
+    if args.again:  # forget what this run compiles, at every batch
+      largest = set(args.largest or ())
+      forget = lambda parts: (
+        (parts[0] in settings and parts[1] in sides) or bool({parts[0], parts[1]} & largest)
+      )
+      compiler.rows = {k: v for k, v in compiler.rows.items() if not forget(k.split(" | "))}
+    for setting in settings:
+      for side in sides:
+        compiler.row(setting, side)
+    for setting in args.largest or ():
+      for side in SIDES:
+        compiler.rows[f"largest | {setting} | {side}"] = compiler.largest(setting, side)
+        compiler.path.write_text(json.dumps(compiler.rows, indent=1))
+  return compiler.rows
 
 
 def section(name: str, rows: dict[str, Any], layers: int | None = None) -> list[str]:
@@ -231,7 +241,9 @@ def section(name: str, rows: dict[str, Any], layers: int | None = None) -> list[
     report.table(lines, {k: (titles.get(k, k), "s") for k in columns}),
   )
   seconds = sum(r.get("seconds", 0) for r in rows.values() if isinstance(r, dict))
-  out[-1:-1] = ["", f"Compiling these programs took {seconds:.0f} s."]
+  commits = sorted({r["commit"] for r in rows.values() if isinstance(r, dict) and "commit" in r})
+  at = f", at commit(s) {', '.join(commits)}" if commits else ""
+  out[-1:-1] = ["", f"Compiling these programs took {seconds:.0f} s{at}."]
   largest = [k for k in rows if k.startswith("largest | ")]
   if largest:
     found = [f"{k.split(' | ')[2]}, {k.split(' | ')[1]}: {rows[k]}" for k in largest]
@@ -271,7 +283,6 @@ def tried_lines(rows: dict[str, Any], largest: list[str], machine: Any) -> list[
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--child", help=argparse.SUPPRESS)
   parser.add_argument("--only", action="append", choices=big_models.RUNS)
   parser.add_argument("--settings", action="append", choices=tuple(KEEPS))
   parser.add_argument("--largest", action="append", choices=tuple(KEEPS))
@@ -282,8 +293,6 @@ def main() -> None:
   parser.add_argument("--cached", action="store_true", help="compile nothing: show the cache")
   report.add_output_flags(parser)
   args = parser.parse_args()
-  if args.child:
-    return child(args)
   clock = report.Clock()
   lines = []
   for name in args.only or big_models.RUNS:
