@@ -27,6 +27,11 @@ Run (each target in a process of its own)::
   python benchmarks/buffers.py v5e-8 --layers 4 --model 70B \\
     "evaluate:GSPMD FSDP" "evaluate:zero3 forward"
   python benchmarks/buffers.py v5e-8 --layers 5 loop:52224
+  python benchmarks/buffers.py v5e-64 --model 7.5B --layers 30 --keep "names offloaded" \\
+    train:zero3 "train:GSPMD FSDP"
+
+``--keep`` compiles ``train:SIDE`` (a side as ``remat.py`` names it) with the layer
+wrapped as ``remat.py``'s setting of that name.
 """
 
 from __future__ import annotations
@@ -171,7 +176,14 @@ def child(args: argparse.Namespace) -> None:
     import transformer
 
     config = dataclasses.replace(transformer.CONFIGS[args.model], layers=args.layers)
-    lowered = big_models.Programs(config, args.target).lower(program, setup)
+    programs = big_models.Programs(config, args.target)
+    if args.keep:  # the training step with the layer wrapped as remat.py wraps it
+      import remat
+
+      tx = programs.bf16_reductions_tx if setup == remat.BF16_REDUCTIONS else programs.tx
+      lowered = programs.train(setup != "GSPMD FSDP", tx, remat.KEEPS[args.keep])
+    else:
+      lowered = programs.lower(program, setup)
   memory = lowered.compile().memory_analysis()
   with open(args.out, "w") as out:
     json.dump(
@@ -184,7 +196,9 @@ def child(args: argparse.Namespace) -> None:
     )
 
 
-def account(target: str, model: str, layers: int, program: str) -> dict[str, Any]:
+def account(
+  target: str, model: str, layers: int, program: str, keep: str | None = None
+) -> dict[str, Any]:
   """Compiles ``program`` for ``target`` in a child process; its accounting."""
   from zerojax.diagnostics import deviceless_environment
 
@@ -194,6 +208,7 @@ def account(target: str, model: str, layers: int, program: str) -> dict[str, Any
     env = {**os.environ, **deviceless_environment(target, scheduler_log=False, xla_flags=flags)}
     command = [sys.executable, os.path.abspath(__file__), "--child", target, "--out", out]
     command += ["--model", model, "--layers", str(layers), "--program", program]
+    command += ["--keep", keep] if keep else []
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
       raise RuntimeError(f"compiling {program} for {target} failed:\n{done.stderr[-3000:]}")
@@ -212,6 +227,9 @@ def main() -> None:
   parser.add_argument("--model", default="70B")
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--top", type=int, default=12, help="buffers listed per program")
+  parser.add_argument(
+    "--keep", help="train:SIDE with the layer wrapped as remat.py's setting (e.g. 'names saved')"
+  )
   parser.add_argument("--child", help=argparse.SUPPRESS)
   parser.add_argument("--out", help=argparse.SUPPRESS)
   parser.add_argument("--program", help=argparse.SUPPRESS)
@@ -222,7 +240,7 @@ def main() -> None:
     return
   print(f"{args.model}'s shapes, {args.layers} layers, on {args.target}; MiB per device\n")
   for program in args.programs:
-    found = account(args.target, args.model, args.layers, program)
+    found = account(args.target, args.model, args.layers, program, args.keep)
     a = found["accounting"]
     print(
       f"**{program}**: arguments {found['arguments'] / MIB:.0f}; temporaries: reported "
