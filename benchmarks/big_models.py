@@ -187,21 +187,25 @@ class Programs:
       args = (batch["last"], batch["k"], batch["v"], batch["position"])
       return jax.jit(fn, donate_argnums=(2, 3)).lower(params, *args)
 
-  def train(self, zero: bool, tx: zerojax.ZeroTransformation, remat: Any) -> jax.stages.Lowered:
+  def train(
+    self, zero: bool, tx: zerojax.ZeroTransformation, remat: Any, prefetch: int = 1
+  ) -> jax.stages.Lowered:
     """The training step, zerojax's (``tx``) or GSPMD FSDP's, its layer under ``remat``
-    (as ``transformer.per_example_loss`` takes it)."""
+    (``remat`` and zerojax's ``prefetch`` as ``transformer.per_example_loss`` takes them)."""
     mesh = self.mesh if zero else self.auto
     params, opt_state = self.stored(tx) if zero else self.fsdp()
     with jax.set_mesh(mesh):
-      step = self._train_step(zero, tx, remat)
+      step = self._train_step(zero, tx, remat, prefetch)
       return jax.jit(step, donate_argnums=(0, 1)).lower(
         params, opt_state, self.batch(mesh)["tokens"]
       )
 
-  def _train_step(self, zero: bool, tx: zerojax.ZeroTransformation, remat: Any = None):
+  def _train_step(
+    self, zero: bool, tx: zerojax.ZeroTransformation, remat: Any = None, prefetch: int = 1
+  ):
     c = self.config
     if zero:
-      grad_fn = zerojax.value_and_grad(transformer.mean_loss(c, True, remat), tx)
+      grad_fn = zerojax.value_and_grad(transformer.mean_loss(c, True, remat, prefetch), tx)
     else:
       grad_fn, tx = jax.value_and_grad(transformer.mean_loss(c, False, remat)), optax.adamw(1e-4)
 

@@ -181,7 +181,8 @@ def child(args: argparse.Namespace) -> None:
       import remat
 
       tx = programs.bf16_reductions_tx if setup == remat.BF16_REDUCTIONS else programs.tx
-      lowered = programs.train(setup != "GSPMD FSDP", tx, remat.KEEPS[args.keep])
+      prefetch = 0 if setup == remat.PREFETCH_0 else 1
+      lowered = programs.train(setup != "GSPMD FSDP", tx, remat.KEEPS[args.keep], prefetch)
     else:
       lowered = programs.lower(program, setup)
   memory = lowered.compile().memory_analysis()

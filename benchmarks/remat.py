@@ -36,7 +36,8 @@ Run::
 the temporaries grow with depth. ``--sides "zero3, bf16 reductions"`` compiles
 stage 3 reducing its gradients in bfloat16, as GSPMD FSDP's bfloat16 matmuls
 make them (rows of their own beside ``zero3``'s float32 reductions): the
-like-for-like comparison.
+like-for-like comparison. ``--sides "zero3, prefetch=0"`` compiles stage 3 with
+``zerojax.scan(..., prefetch=0)``: each layer gathered in its own iteration.
 """
 
 from __future__ import annotations
@@ -82,9 +83,12 @@ KEEPS = {
   ),
 }
 #: zerojax's stage 3 (``precision="bf16"``: gradients reduced in float32), GSPMD FSDP, and
-#: (``--sides``) stage 3 reducing in bfloat16 as GSPMD FSDP does.
+#: (``--sides``) stage 3 reducing in bfloat16 as GSPMD FSDP does, or without prefetching.
 SIDES = ("zero3", "GSPMD FSDP")
 BF16_REDUCTIONS = "zero3, bf16 reductions"
+#: (``--sides``) stage 3 gathering each layer in its own iteration (``zerojax.scan(...,
+#: prefetch=0)``): no gathered layer carried from one iteration to the next.
+PREFETCH_0 = "zero3, prefetch=0"
 GIB = big_models.GIB
 
 
@@ -115,7 +119,8 @@ def compile_row(
   (in a ``DevicelessProcess`` for ``target``: ``Compiler.row`` calls this)."""
   programs = _programs(model, target, layers, sequences)
   tx = programs.bf16_reductions_tx if side == BF16_REDUCTIONS else programs.tx
-  return big_models.measure(programs.train, side != "GSPMD FSDP", tx, KEEPS[setting])
+  prefetch = 0 if side == PREFETCH_0 else 1
+  return big_models.measure(programs.train, side != "GSPMD FSDP", tx, KEEPS[setting], prefetch)
 
 
 class Compiler:
@@ -201,7 +206,7 @@ def section(name: str, rows: dict[str, Any], layers: int | None = None) -> list[
   lines = []
   for setting in KEEPS:
     gspmd = rows.get(key(setting, "GSPMD FSDP", 1))
-    for side in ("zero3", BF16_REDUCTIONS, "GSPMD FSDP"):
+    for side in ("zero3", BF16_REDUCTIONS, PREFETCH_0, "GSPMD FSDP"):
       row = rows.get(key(setting, side, 1))
       if row is None:
         continue
@@ -286,7 +291,7 @@ def main() -> None:
   parser.add_argument("--only", action="append", choices=big_models.RUNS)
   parser.add_argument("--settings", action="append", choices=tuple(KEEPS))
   parser.add_argument("--largest", action="append", choices=tuple(KEEPS))
-  parser.add_argument("--sides", action="append", choices=(*SIDES, BF16_REDUCTIONS))
+  parser.add_argument("--sides", action="append", choices=(*SIDES, BF16_REDUCTIONS, PREFETCH_0))
   parser.add_argument("--layers", type=int, help="compile the model with this many layers")
   parser.add_argument("--cache", type=Path, default=Path("/tmp/zerojax-remat"))
   parser.add_argument("--again", action="store_true", help="compile again what is cached")

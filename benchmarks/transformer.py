@@ -205,10 +205,12 @@ def _batch_split(h: jax.Array, zero: bool) -> jax.Array:
   return jax.lax.with_sharding_constraint(h, P(AXIS))
 
 
-def mean_loss(config: Config, zero: bool, remat: Any = None):
-  """``loss(params, tokens)``: the batch's mean, for a training step (``remat`` as for
-  ``per_example_loss``)."""
-  return lambda params, tokens: per_example_loss(config, params, tokens, zero, remat=remat).mean()
+def mean_loss(config: Config, zero: bool, remat: Any = None, prefetch: int = 1):
+  """``loss(params, tokens)``: the batch's mean, for a training step (``remat`` and ``prefetch``
+  as for ``per_example_loss``)."""
+  return lambda params, tokens: per_example_loss(
+    config, params, tokens, zero, prefetch, remat=remat
+  ).mean()
 
 
 def decode(
