@@ -246,8 +246,12 @@ def section(name: str, rows: dict[str, Any], layers: int | None = None) -> list[
     report.table(lines, {k: (titles.get(k, k), "s") for k in columns}),
   )
   seconds = sum(r.get("seconds", 0) for r in rows.values() if isinstance(r, dict))
-  commits = sorted({r["commit"] for r in rows.values() if isinstance(r, dict) and "commit" in r})
+  programs = [r for r in rows.values() if isinstance(r, dict)]
+  commits = sorted({r["commit"] for r in programs if "commit" in r})
+  unstamped = sum("commit" not in r for r in programs)
   at = f", at commit(s) {', '.join(commits)}" if commits else ""
+  if commits and unstamped:
+    at += f" ({unstamped} of the {len(programs)} rows compiled before rows were stamped)"
   out[-1:-1] = ["", f"Compiling these programs took {seconds:.0f} s{at}."]
   largest = [k for k in rows if k.startswith("largest | ")]
   if largest:
