@@ -50,7 +50,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -193,14 +192,6 @@ def compile_named(target: str, model: str, name: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
-def commit() -> str:
-  """The checkout's commit, with ``+`` if zerojax/ or the benchmark code is changed."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  git = lambda *a: subprocess.run(["git", "-C", here, *a], capture_output=True, text=True).stdout
-  dirty = git("status", "--porcelain", "--", "../zerojax", "*.py").strip()
-  return git("rev-parse", "--short", "HEAD").strip() + ("+" if dirty else "")
-
-
 def compile_missing(wanted: dict[str, list[str]], models, cache: dict, refresh: bool) -> None:
   """Compiles into ``cache`` the setups ``wanted`` for each target, of each of ``models``, that
   it does not hold (all of them with ``refresh``), in one ``DevicelessProcess`` a target."""
@@ -211,7 +202,7 @@ def compile_missing(wanted: dict[str, list[str]], models, cache: dict, refresh: 
     }
     if not any(missing.values()):
       continue
-    stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
+    stamp = {"commit": report.commit(), "date": datetime.date.today().isoformat()}
     with DevicelessProcess(target) as process:
       for model, names in missing.items():
         known = cache.setdefault(f"{target} {model}", {})

@@ -46,10 +46,8 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -140,7 +138,7 @@ class Compiler:
       clock = report.Clock()
       args = (self.model, self.target, self.layers, setting, side, sequences)
       row = self.process.call(f"{__file__}:compile_row", *args)
-      self.rows[name] = row | {"seconds": clock.elapsed(), "commit": commit()}
+      self.rows[name] = row | {"seconds": clock.elapsed(), "commit": report.commit()}
       self.path.write_text(json.dumps(self.rows, indent=1))
       print(f"{self.model} on {self.target}, {name}: {self.rows[name]}", flush=True)
     return self.rows[name]
@@ -160,14 +158,6 @@ class Compiler:
       middle = (low + high) // 2
       low, high = (middle, high) if self.fits(setting, side, middle) else (low, middle)
     return low
-
-
-def commit() -> str:
-  """The checkout's commit, with ``+`` if zerojax/ or the benchmarks are changed."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  git = lambda *a: subprocess.run(["git", "-C", here, *a], capture_output=True, text=True).stdout
-  dirty = git("status", "--porcelain", "--", "../zerojax", "*.py").strip()
-  return git("rev-parse", "--short", "HEAD").strip() + ("+" if dirty else "")
 
 
 def run(name: str, args: argparse.Namespace) -> dict[str, Any]:

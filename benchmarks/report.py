@@ -13,6 +13,7 @@ import argparse
 import datetime
 import os
 import platform
+import subprocess
 import time
 from typing import Any
 
@@ -130,6 +131,15 @@ def accelerator_provenance(clock: Clock) -> str:
     f"ahead-of-time compilation), on {platform.platform()}; the whole run took "
     f"{clock.elapsed():.0f} s."
   )
+
+
+def commit() -> str:
+  """This checkout's commit, with ``+`` if zerojax/ or the benchmarks are changed: what a cached
+  result records it was compiled at."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  git = lambda *a: subprocess.run(["git", "-C", here, *a], capture_output=True, text=True).stdout
+  dirty = git("status", "--porcelain", "--", "../zerojax", "*.py").strip()
+  return git("rev-parse", "--short", "HEAD").strip() + ("+" if dirty else "")
 
 
 def command(script: str, argv: list[str]) -> list[str]:
