@@ -180,9 +180,7 @@ def child(args: argparse.Namespace) -> None:
     if args.keep:  # the training step with the layer wrapped as remat.py wraps it
       import remat
 
-      tx = programs.bf16_reductions_tx if setup == remat.BF16_REDUCTIONS else programs.tx
-      prefetch = 0 if setup == remat.PREFETCH_0 else 1
-      lowered = programs.train(setup != "GSPMD FSDP", tx, remat.KEEPS[args.keep], prefetch)
+      lowered = programs.train(*remat.train_args(programs, args.keep, setup))
     else:
       lowered = programs.lower(program, setup)
   memory = lowered.compile().memory_analysis()

@@ -116,9 +116,13 @@ def compile_row(
   """One program's row: ``big_models.measure`` 's per-device bytes, or the compiler's refusal
   (in a ``DevicelessProcess`` for ``target``: ``Compiler.row`` calls this)."""
   programs = _programs(model, target, layers, sequences)
+  return big_models.measure(programs.train, *train_args(programs, setting, side))
+
+
+def train_args(programs: big_models.Programs, setting: str, side: str) -> tuple[Any, ...]:
+  """``programs.train`` 's arguments for ``side`` 's step, the layer wrapped as ``setting``."""
   tx = programs.bf16_reductions_tx if side == BF16_REDUCTIONS else programs.tx
-  prefetch = 0 if side == PREFETCH_0 else 1
-  return big_models.measure(programs.train, side != "GSPMD FSDP", tx, KEEPS[setting], prefetch)
+  return side != "GSPMD FSDP", tx, KEEPS[setting], 0 if side == PREFETCH_0 else 1
 
 
 class Compiler:
@@ -235,8 +239,8 @@ def section(name: str, rows: dict[str, Any], layers: int | None = None) -> list[
     f"sequence of {config.seq_len} tokens a device; one layer in bfloat16 is {layer:.2f} GiB",
     report.table(lines, {k: (titles.get(k, k), "s") for k in columns}),
   )
-  seconds = sum(r.get("seconds", 0) for r in rows.values() if isinstance(r, dict))
   programs = [r for r in rows.values() if isinstance(r, dict)]
+  seconds = sum(r.get("seconds", 0) for r in programs)
   commits = sorted({r["commit"] for r in programs if "commit" in r})
   unstamped = sum("commit" not in r for r in programs)
   at = f", at commit(s) {', '.join(commits)}" if commits else ""
